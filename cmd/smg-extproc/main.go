@@ -1,0 +1,312 @@
+// Command smg-extproc is a prefill/decode disaggregation gateway built as an
+// Envoy external processor with an embedded xDS server.
+//
+//	smg-extproc launch --pd-disaggregation --prefill URL [PORT|none] --decode URL ...
+//	smg-extproc serve  ... (for an Envoy run elsewhere; see envoy-config)
+//	smg-extproc envoy-config ... (print the Envoy bootstrap)
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"os/signal"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"github.com/rs/zerolog"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/keepalive"
+
+	envoycfg "github.com/smg-project/smg-extproc/envoy"
+	"github.com/smg-project/smg-extproc/pkg/admin"
+	"github.com/smg-project/smg-extproc/pkg/config"
+	"github.com/smg-project/smg-extproc/pkg/extproc"
+	"github.com/smg-project/smg-extproc/pkg/launcher"
+	"github.com/smg-project/smg-extproc/pkg/metrics"
+	"github.com/smg-project/smg-extproc/pkg/pairing"
+	"github.com/smg-project/smg-extproc/pkg/pd"
+	"github.com/smg-project/smg-extproc/pkg/policy"
+	"github.com/smg-project/smg-extproc/pkg/workers"
+	"github.com/smg-project/smg-extproc/pkg/xds"
+)
+
+func usage() {
+	fmt.Fprintf(os.Stderr, `usage: smg-extproc <launch|serve|envoy-config> [flags]
+
+  launch        run the gateway with a local Envoy child (client port --port)
+  serve         run the ext_proc/xDS/admin servers for an Envoy managed elsewhere
+  envoy-config  print the Envoy bootstrap for the given flags
+
+flags (SMG's names):
+`)
+	config.Usage(os.Stderr)
+}
+
+func main() {
+	if len(os.Args) < 2 {
+		usage()
+		os.Exit(2)
+	}
+	sub, args := os.Args[1], os.Args[2:]
+	switch sub {
+	case "launch", "serve", "envoy-config":
+	case "-h", "--help", "help":
+		usage()
+		return
+	default:
+		fmt.Fprintf(os.Stderr, "smg-extproc: unknown command %q\n", sub)
+		usage()
+		os.Exit(2)
+	}
+	for _, a := range args {
+		if a == "-h" || a == "--help" {
+			usage()
+			return
+		}
+	}
+	cfg, err := config.Parse(args)
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "smg-extproc: %v\n", err)
+		os.Exit(2)
+	}
+	if sub == "launch" {
+		// A local child needs no fixed internal ports; pick free ones unless told.
+		if !hasFlag(args, "extproc-port") {
+			cfg.ExtProcPort = 0
+		}
+		if !hasFlag(args, "admin-port") {
+			cfg.AdminPort = 0
+		}
+	}
+	if sub == "envoy-config" {
+		b, err := renderBootstrap(&cfg, cfg.ExtProcPort, cfg.AdminPort)
+		if err != nil {
+			fmt.Fprintf(os.Stderr, "smg-extproc: %v\n", err)
+			os.Exit(1)
+		}
+		os.Stdout.Write(b)
+		return
+	}
+	if err := run(sub == "launch", cfg); err != nil {
+		fmt.Fprintf(os.Stderr, "smg-extproc: %v\n", err)
+		os.Exit(1)
+	}
+}
+
+func hasFlag(args []string, name string) bool {
+	for _, a := range args {
+		a = strings.ReplaceAll(a, "_", "-")
+		if a == "--"+name || strings.HasPrefix(a, "--"+name+"=") {
+			return true
+		}
+	}
+	return false
+}
+
+func newLogger(level string) zerolog.Logger {
+	lvl, err := zerolog.ParseLevel(strings.ToLower(level))
+	if err != nil || level == "" {
+		lvl = zerolog.InfoLevel
+	}
+	if strings.EqualFold(level, "warning") {
+		lvl = zerolog.WarnLevel
+	}
+	var w = zerolog.ConsoleWriter{Out: os.Stderr, TimeFormat: "15:04:05.000", NoColor: true}
+	return zerolog.New(w).Level(lvl).With().Timestamp().Logger()
+}
+
+func renderBootstrap(cfg *config.Config, extprocPort, adminPort int) ([]byte, error) {
+	routes := make([]string, 0, 8)
+	for _, r := range pd.Routes() {
+		routes = append(routes, r.ClientPath)
+	}
+	return envoycfg.Render(envoycfg.Params{
+		NodeID: cfg.NodeID, Host: cfg.Host, Port: cfg.Port, EnvoyAdminPort: cfg.EnvoyAdminPort,
+		ControlHost: cfg.ControlHost, ExtProcPort: extprocPort, AdminPort: adminPort,
+		MaxPayloadSize: cfg.MaxPayloadSize, RequestTimeoutSecs: cfg.RequestTimeoutSecs,
+		MessageTimeoutSecs: cfg.RequestTimeoutSecs + 30, PDRoutes: routes,
+	})
+}
+
+func run(withEnvoy bool, cfg config.Config) error {
+	log := newLogger(cfg.LogLevel)
+	if !cfg.PDDisaggregation {
+		log.Warn().Msg("--pd-disaggregation not given; smg-extproc only serves PD mode and runs it anyway")
+	}
+	if len(cfg.Ignored) > 0 {
+		log.Info().Strs("flags", cfg.Ignored).Msg("accepted for SMG compatibility; no effect yet")
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+	defer stop()
+
+	reg := workers.NewRegistry()
+	for _, p := range cfg.Prefills {
+		w, err := workers.New(workers.Spec{URL: p.URL, Type: workers.Prefill, BootstrapPort: p.BootstrapPort}, nil)
+		if err != nil {
+			return fmt.Errorf("--prefill %s: %w", p.URL, err)
+		}
+		w.SetHealthy(true)
+		if err := reg.Add(w); err != nil {
+			return fmt.Errorf("--prefill %s: %w", p.URL, err)
+		}
+	}
+	for _, u := range cfg.Decodes {
+		w, err := workers.New(workers.Spec{URL: u, Type: workers.Decode}, nil)
+		if err != nil {
+			return fmt.Errorf("--decode %s: %w", u, err)
+		}
+		w.SetHealthy(true)
+		if err := reg.Add(w); err != nil {
+			return fmt.Errorf("--decode %s: %w", u, err)
+		}
+	}
+
+	pp, dp := cfg.EffectivePolicies()
+	mk := func(leg, name string) (policy.Policy, error) {
+		p, impl, err := policy.New(name)
+		if err != nil {
+			return nil, err
+		}
+		if !impl {
+			log.Warn().Str("leg", leg).Str("policy", name).Msg("policy not implemented yet; using round_robin")
+		}
+		return p, nil
+	}
+	prefillPolicy, err := mk("prefill", pp)
+	if err != nil {
+		return err
+	}
+	decodePolicy, err := mk("decode", dp)
+	if err != nil {
+		return err
+	}
+
+	promReg := prometheus.NewRegistry()
+	promReg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	m := metrics.New(promReg)
+	client := extproc.NewHTTPClient(10 * time.Second)
+
+	xdsSrv, err := xds.New(ctx, log.With().Str("component", "xds").Logger())
+	if err != nil {
+		return err
+	}
+	proc := extproc.New(extproc.Deps{
+		Log: log.With().Str("component", "extproc").Logger(), Registry: reg,
+		Selector: &pairing.Selector{Prefill: prefillPolicy, Decode: decodePolicy},
+		Client:   client, Metrics: m, RequestTimeout: cfg.RequestTimeout(),
+	})
+	maxMsg := int(cfg.MaxPayloadSize) + 1<<20
+	if cfg.MaxPayloadSize > 1<<31-1<<21 {
+		maxMsg = 1<<31 - 1
+	}
+	g := grpc.NewServer(
+		grpc.MaxRecvMsgSize(maxMsg), grpc.MaxSendMsgSize(maxMsg),
+		grpc.MaxConcurrentStreams(1<<20),
+		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 5 * time.Second, PermitWithoutStream: true}),
+	)
+	proc.Register(g)
+	xdsSrv.Register(g)
+
+	gl, err := net.Listen("tcp", net.JoinHostPort(cfg.ControlHost, strconv.Itoa(cfg.ExtProcPort)))
+	if err != nil {
+		return fmt.Errorf("ext_proc listener: %w", err)
+	}
+	al, err := net.Listen("tcp", net.JoinHostPort(cfg.ControlHost, strconv.Itoa(cfg.AdminPort)))
+	if err != nil {
+		return fmt.Errorf("admin listener: %w", err)
+	}
+	adminSrv := &http.Server{Handler: admin.Handler(admin.Deps{Log: log, Registry: reg, Client: client, APIKey: cfg.APIKey}),
+		ReadHeaderTimeout: 10 * time.Second}
+	var promSrv *http.Server
+	var pl net.Listener
+	if cfg.PrometheusPort > 0 {
+		pl, err = net.Listen("tcp", net.JoinHostPort(cfg.PrometheusHost, strconv.Itoa(cfg.PrometheusPort)))
+		if err != nil {
+			return fmt.Errorf("prometheus listener: %w", err)
+		}
+		mux := http.NewServeMux()
+		mux.Handle("/metrics", promhttp.HandlerFor(promReg, promhttp.HandlerOpts{Registry: promReg}))
+		promSrv = &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+	}
+
+	errc := make(chan error, 4)
+	go func() { errc <- g.Serve(gl) }()
+	go func() { errc <- adminSrv.Serve(al) }()
+	if promSrv != nil {
+		go func() { errc <- promSrv.Serve(pl) }()
+	}
+	go xdsSrv.Run(ctx, reg)
+
+	extprocPort := gl.Addr().(*net.TCPAddr).Port
+	adminPort := al.Addr().(*net.TCPAddr).Port
+	log.Info().Int("prefill", len(workers.ByType(reg.Snapshot(), workers.Prefill))).
+		Int("decode", len(workers.ByType(reg.Snapshot(), workers.Decode))).
+		Str("prefill_policy", pp).Str("decode_policy", dp).
+		Int("extproc_port", extprocPort).Int("admin_port", adminPort).Msg("control plane up")
+
+	var child *launcher.Envoy
+	var childExited <-chan struct{}
+	if withEnvoy {
+		bin, err := launcher.FindEnvoy(cfg.EnvoyPath)
+		if err != nil {
+			return err
+		}
+		boot, err := renderBootstrap(&cfg, extprocPort, adminPort)
+		if err != nil {
+			return err
+		}
+		child, err = launcher.Start(launcher.Options{Binary: bin, Bootstrap: boot, LogLevel: cfg.EnvoyLogLevel,
+			Concurrency: cfg.EnvoyConcurrency, Log: os.Stderr})
+		if err != nil {
+			return err
+		}
+		childExited = child.Exited()
+		readyCtx, cancel := context.WithTimeout(ctx, 60*time.Second)
+		err = child.WaitReady(readyCtx)
+		cancel()
+		if err != nil {
+			child.Stop(5 * time.Second)
+			return err
+		}
+		log.Info().Str("envoy", bin).Str("envoy_admin", child.AdminAddress()).
+			Str("listen", fmt.Sprintf("http://%s:%d", cfg.Host, cfg.Port)).Msg("gateway ready")
+	}
+
+	var runErr error
+	select {
+	case <-ctx.Done():
+		log.Info().Msg("shutting down")
+	case <-childExited:
+		runErr = fmt.Errorf("envoy exited: %v", child.Err())
+	case err := <-errc:
+		if err != nil && !errors.Is(err, http.ErrServerClosed) {
+			runErr = fmt.Errorf("server failed: %w", err)
+		}
+	}
+	if child != nil {
+		child.Stop(10 * time.Second)
+	}
+	shutCtx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	_ = adminSrv.Shutdown(shutCtx)
+	if promSrv != nil {
+		_ = promSrv.Shutdown(shutCtx)
+	}
+	done := make(chan struct{})
+	go func() { g.GracefulStop(); close(done) }()
+	select {
+	case <-done:
+	case <-shutCtx.Done():
+		g.Stop()
+	}
+	return runErr
+}

@@ -1,0 +1,474 @@
+package extproc
+
+import (
+	"context"
+	"net/http"
+	"strconv"
+	"strings"
+	"time"
+
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	typev3 "github.com/envoyproxy/go-control-plane/envoy/type/v3"
+	"github.com/rs/zerolog"
+	"google.golang.org/protobuf/types/known/structpb"
+
+	"github.com/smg-project/smg-extproc/pkg/apierr"
+	"github.com/smg-project/smg-extproc/pkg/pairing"
+	"github.com/smg-project/smg-extproc/pkg/pd"
+	"github.com/smg-project/smg-extproc/pkg/policy"
+	"github.com/smg-project/smg-extproc/pkg/xds"
+)
+
+// Response header names the gateway sets.
+const (
+	hdrRoutedWorker = "x-smg-routed-worker-id"
+	hdrRequestID    = "x-request-id"
+)
+
+type phase int
+
+const (
+	phaseHeaders    phase = iota // waiting for request headers
+	phaseBody                    // waiting for the request body
+	phaseDecodeWait              // body answered, decode in flight, no response head yet
+	phaseRespBody                // response body buffered for a rewrite
+	phaseDone                    // answered; waiting for Envoy to end the stream
+)
+
+type respMode int
+
+const (
+	respPass respMode = iota
+	respDecodeError
+	respMergeLogprobs
+)
+
+// exchange is one client request as seen through one ext_proc stream.
+type exchange struct {
+	s      *Server
+	ctx    context.Context
+	stream extprocv3.ExternalProcessor_ProcessServer
+	log    zerolog.Logger
+
+	phase   phase
+	route   *pd.Route
+	reqHdr  map[string]string // lower-cased request headers
+	reqID   string
+	req     *pd.Request
+	pair    pairing.Pair
+	prefill *prefillLeg
+	// watchPrefill is non-nil while an early prefill failure must be answered spontaneously.
+	watchPrefill <-chan struct{}
+	dispatched   time.Time
+	mode         respMode
+	decodeStatus int
+	releases     []func()
+	model        string
+	committed    bool
+}
+
+func newExchange(s *Server, ctx context.Context, stream extprocv3.ExternalProcessor_ProcessServer) *exchange {
+	return &exchange{s: s, ctx: ctx, stream: stream, log: s.d.Log}
+}
+
+func (x *exchange) prefillWatch() <-chan struct{} { return x.watchPrefill }
+
+// finish runs when the stream ends: the client is gone or the response is complete.
+func (x *exchange) finish() {
+	if x.prefill != nil && !x.committed {
+		x.prefill.abort()
+	}
+	for _, r := range x.releases {
+		r()
+	}
+}
+
+func (x *exchange) send(r *extprocv3.ProcessingResponse) error { return x.stream.Send(r) }
+
+func (x *exchange) handle(m *extprocv3.ProcessingRequest) error {
+	switch v := m.Request.(type) {
+	case *extprocv3.ProcessingRequest_RequestHeaders:
+		return x.onRequestHeaders(v.RequestHeaders)
+	case *extprocv3.ProcessingRequest_RequestBody:
+		return x.onRequestBody(v.RequestBody)
+	case *extprocv3.ProcessingRequest_ResponseHeaders:
+		return x.onResponseHeaders(v.ResponseHeaders)
+	case *extprocv3.ProcessingRequest_ResponseBody:
+		return x.onResponseBody(v.ResponseBody)
+	case *extprocv3.ProcessingRequest_RequestTrailers:
+		return x.send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestTrailers{RequestTrailers: &extprocv3.TrailersResponse{}}})
+	case *extprocv3.ProcessingRequest_ResponseTrailers:
+		return x.send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseTrailers{ResponseTrailers: &extprocv3.TrailersResponse{}}})
+	}
+	return nil
+}
+
+func (x *exchange) onRequestHeaders(h *extprocv3.HttpHeaders) error {
+	x.reqHdr = make(map[string]string, len(h.GetHeaders().GetHeaders()))
+	for _, hv := range h.GetHeaders().GetHeaders() {
+		v := string(hv.RawValue)
+		if v == "" {
+			v = hv.Value
+		}
+		x.reqHdr[strings.ToLower(hv.Key)] = v
+	}
+	path := x.reqHdr[":path"]
+	if i := strings.IndexByte(path, '?'); i >= 0 {
+		path = path[:i]
+	}
+	route, ok := pd.LookupRoute(path)
+	if !ok {
+		// Envoy sends only PD routes here; anything else is a configuration error.
+		x.route = &pd.Route{ClientPath: path, Endpoint: "other", IDPrefix: "req-"}
+		x.reqID = pd.RequestID(x.route, x.getHdr)
+		return x.reject(apierr.Newf(404, apierr.CodeNotFound, "No route for %s", path))
+	}
+	x.route = route
+	x.reqID = pd.RequestID(route, x.getHdr)
+	x.log = x.s.d.Log.With().Str("request_id", x.reqID).Str("route", route.ClientPath).Logger()
+	if h.EndOfStream {
+		return x.reject(apierr.New(400, apierr.CodeInvalidJSON, "Failed to parse the request body as JSON: empty body"))
+	}
+	x.phase = phaseBody
+	return x.send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestHeaders{
+		RequestHeaders: &extprocv3.HeadersResponse{Response: &extprocv3.CommonResponse{HeaderMutation: x.allowlistMutation()}},
+	}})
+}
+
+func (x *exchange) getHdr(name string) string { return x.reqHdr[name] }
+
+// allowlistMutation removes every client header SMG would not forward to a leg.
+func (x *exchange) allowlistMutation() *extprocv3.HeaderMutation {
+	var rm []string
+	for k := range x.reqHdr {
+		if strings.HasPrefix(k, ":") || k == "host" || k == "content-length" || k == "transfer-encoding" || pd.ForwardHeader(k) {
+			continue
+		}
+		rm = append(rm, k)
+	}
+	return &extprocv3.HeaderMutation{RemoveHeaders: rm}
+}
+
+// legHeaders are the headers the gateway's own legs carry.
+func (x *exchange) legHeaders() http.Header {
+	h := make(http.Header, 4)
+	for k, v := range x.reqHdr {
+		if !strings.HasPrefix(k, ":") && pd.ForwardHeader(k) {
+			h[http.CanonicalHeaderKey(k)] = []string{v}
+		}
+	}
+	h.Set("Content-Type", "application/json")
+	return h
+}
+
+func (x *exchange) onRequestBody(b *extprocv3.HttpBody) error {
+	if x.phase != phaseBody {
+		return nil // duplicate end-of-stream chunks are ignored
+	}
+	if !b.EndOfStream {
+		// BUFFERED mode delivers one message; a partial one means misconfiguration.
+		return x.reject(apierr.New(500, apierr.CodeInternal, "ext_proc received a partial request body; request_body_mode must be BUFFERED"))
+	}
+	d := x.s.d
+	req, err := pd.ParseRequest(x.route, b.Body)
+	if err != nil {
+		return x.reject(asAPIError(err, 400, apierr.CodeInvalidRequest))
+	}
+	x.req = req
+	x.model = req.Model
+	if x.model == "" {
+		x.model = "unknown"
+	}
+	d.Metrics.RouterRequests.WithLabelValues("http", "pd", "http", x.model, x.route.Endpoint, strconv.FormatBool(req.Stream)).Inc()
+	preq := policy.Request{Text: req.Text, RoutingKey: x.reqHdr["x-smg-routing-key"]}
+	snap := d.Registry.Snapshot()
+	if x.route.PrefillOnly {
+		return x.countTokens(snap, preq)
+	}
+	pair, aerr := d.Selector.SelectPair(snap, preq)
+	if aerr != nil {
+		x.log.Warn().Str("code", aerr.Code).Msg(aerr.Message)
+		return x.reject(aerr)
+	}
+	x.pair = pair
+	d.Metrics.WorkerSelection.WithLabelValues("prefill", "http", x.model, d.Selector.Prefill.Name()).Inc()
+	d.Metrics.WorkerSelection.WithLabelValues("decode", "http", x.model, d.Selector.Decode.Name()).Inc()
+
+	n := 1
+	if req.BatchSize > 0 {
+		n = req.BatchSize
+	}
+	rooms, err := pd.MintRooms(n)
+	if err != nil {
+		return x.reject(apierr.Wrap(err, 500, apierr.CodeInternal, "Failed to mint bootstrap room"))
+	}
+	pBody, dBody, err := pd.BuildLegs(req, pd.Bootstrap{Host: pair.Prefill.BootstrapHost, Port: pair.Prefill.BootstrapPort, Rooms: rooms},
+		pd.DPRanks{Prefill: pair.Prefill.DPRank, Decode: pair.Decode.DPRank})
+	if err != nil {
+		d.Metrics.PDBootstrapFail.Inc()
+		return x.reject(apierr.Wrap(err, 500, apierr.CodeSerializationFailed, "Failed to serialize request"))
+	}
+	x.log.Debug().Str("prefill", pair.Prefill.URL).Str("decode", pair.Decode.URL).Uints64("rooms", rooms).Msg("pair selected")
+
+	x.acquire(pair.Decode)
+	prefillRelease := pair.Prefill.Acquire()
+	d.Metrics.WorkerActive.WithLabelValues(pair.Prefill.URL).Inc()
+	runtime := pair.Prefill.Runtime
+	model := x.model
+	// Non-streamed requests and logprob merges wait for the whole prefill body.
+	keepBody := req.Logprobs
+	x.dispatched = time.Now()
+	x.prefill = startPrefill(x.ctx, d.Client, pair.Prefill.BaseURL+x.route.UpstreamPath, x.legHeaders(), pBody,
+		d.RequestTimeout, keepBody, func(l *prefillLeg) {
+			prefillRelease()
+			d.Metrics.WorkerActive.WithLabelValues(pair.Prefill.URL).Dec()
+			if !l.failed() {
+				d.Metrics.PDPrefillDuration.WithLabelValues("pd", model, runtime).Observe(time.Since(l.started).Seconds())
+			}
+		})
+	x.watchPrefill = x.prefill.head
+	x.phase = phaseDecodeWait
+
+	md, err := structpb.NewStruct(map[string]any{xds.MetadataNamespace: map[string]any{xds.MetadataKey: pair.Decode.Addr}})
+	if err != nil {
+		return x.reject(apierr.Wrap(err, 500, apierr.CodeInternal, "metadata encoding failed"))
+	}
+	set := []*corev3.HeaderValueOption{
+		hv(":path", x.route.UpstreamPath),
+		hv("content-type", "application/json"),
+		hv("content-length", strconv.Itoa(len(dBody))),
+	}
+	return x.send(&extprocv3.ProcessingResponse{
+		Response: &extprocv3.ProcessingResponse_RequestBody{RequestBody: &extprocv3.BodyResponse{Response: &extprocv3.CommonResponse{
+			HeaderMutation: &extprocv3.HeaderMutation{SetHeaders: set},
+			BodyMutation:   &extprocv3.BodyMutation{Mutation: &extprocv3.BodyMutation_Body{Body: dBody}},
+		}}},
+		DynamicMetadata: md,
+	})
+}
+
+func (x *exchange) acquire(w interface{ Acquire() func() }) {
+	x.releases = append(x.releases, w.Acquire())
+}
+
+// onPrefillFailedEarly answers with the prefill's error while the decode head
+// has not arrived; Envoy then resets the decode leg.
+func (x *exchange) onPrefillFailedEarly() error {
+	x.watchPrefill = nil
+	if x.phase != phaseDecodeWait || !x.prefill.failed() {
+		return nil
+	}
+	return x.reject(x.prefillError())
+}
+
+func (x *exchange) prefillError() *apierr.Error {
+	st, err, body := x.prefill.result()
+	if err != nil {
+		x.log.Warn().Err(err).Str("prefill", x.pair.Prefill.URL).Msg("prefill transport error")
+		return pd.TransportError(err)
+	}
+	e := pd.PrefillError(st, body)
+	x.log.Warn().Int("status", st).Str("prefill", x.pair.Prefill.URL).Str("code", e.Code).Msg("prefill failed")
+	return e
+}
+
+func (x *exchange) onResponseHeaders(h *extprocv3.HttpHeaders) error {
+	if x.phase != phaseDecodeWait {
+		return x.send(headersContinue(nil))
+	}
+	x.watchPrefill = nil
+	st := 0
+	for _, hv := range h.GetHeaders().GetHeaders() {
+		if hv.Key == ":status" {
+			v := string(hv.RawValue)
+			if v == "" {
+				v = hv.Value
+			}
+			st, _ = strconv.Atoi(v)
+		}
+	}
+	x.decodeStatus = st
+	d := x.s.d
+	if st < 200 || st > 299 {
+		// Decode errors win over prefill errors (SMG order). Buffer the body to rewrite it.
+		if h.EndOfStream {
+			return x.decodeErrorReply(nil)
+		}
+		x.mode = respDecodeError
+		x.phase = phaseRespBody
+		return x.send(&extprocv3.ProcessingResponse{
+			Response:     &extprocv3.ProcessingResponse_ResponseHeaders{ResponseHeaders: &extprocv3.HeadersResponse{}},
+			ModeOverride: &filterv3.ProcessingMode{ResponseBodyMode: filterv3.ProcessingMode_BUFFERED, ResponseHeaderMode: filterv3.ProcessingMode_SEND},
+		})
+	}
+	d.Metrics.PDTTFT.WithLabelValues("pd", x.model, x.pair.Prefill.Runtime).Observe(time.Since(x.dispatched).Seconds())
+	// Streams without logprobs commit on the prefill head; others wait for its body.
+	wait := x.prefill.done
+	if x.req.Stream && !x.req.Logprobs {
+		wait = x.prefill.head
+	}
+	select {
+	case <-wait:
+	case <-x.ctx.Done():
+		return nil
+	}
+	<-x.prefill.head
+	if x.prefill.failed() {
+		return x.reject(x.prefillError())
+	}
+	if x.prefill.bodyErr != nil {
+		x.log.Warn().Err(x.prefill.bodyErr).Msg("prefill body read failed; continuing with the decode response")
+	}
+	x.committed = true
+	x.prefill.detach()
+	d.Metrics.RouterDuration.WithLabelValues("http", "pd", "http", x.model, x.route.Endpoint).Observe(time.Since(x.dispatched).Seconds())
+	set := []*corev3.HeaderValueOption{hv(hdrRoutedWorker, x.pair.Decode.URL), hv(hdrRequestID, x.reqID)}
+	if x.req.Stream {
+		set = append(set, hv("content-type", "text/event-stream"))
+	}
+	resp := &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseHeaders{ResponseHeaders: &extprocv3.HeadersResponse{
+		Response: &extprocv3.CommonResponse{HeaderMutation: &extprocv3.HeaderMutation{SetHeaders: set}},
+	}}}
+	if x.req.Logprobs && !x.req.Stream && !h.EndOfStream {
+		x.mode = respMergeLogprobs
+		x.phase = phaseRespBody
+		resp.ModeOverride = &filterv3.ProcessingMode{ResponseBodyMode: filterv3.ProcessingMode_BUFFERED, ResponseHeaderMode: filterv3.ProcessingMode_SEND}
+	} else {
+		x.phase = phaseDone
+	}
+	return x.send(resp)
+}
+
+func (x *exchange) onResponseBody(b *extprocv3.HttpBody) error {
+	if x.phase != phaseRespBody || !b.EndOfStream {
+		return x.send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseBody{ResponseBody: &extprocv3.BodyResponse{}}})
+	}
+	switch x.mode {
+	case respDecodeError:
+		return x.decodeErrorReply(b.Body)
+	case respMergeLogprobs:
+		x.phase = phaseDone
+		x.prefill.mu.Lock()
+		pbody := x.prefill.body
+		x.prefill.mu.Unlock()
+		out := b.Body
+		if merged, ok := pd.MergeLogprobs(pbody, b.Body); ok {
+			out = merged
+		}
+		return x.send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseBody{ResponseBody: &extprocv3.BodyResponse{
+			Response: &extprocv3.CommonResponse{
+				HeaderMutation: &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{
+					hv("content-type", "application/json"), hv("content-length", strconv.Itoa(len(out))),
+				}},
+				BodyMutation: &extprocv3.BodyMutation{Mutation: &extprocv3.BodyMutation_Body{Body: out}},
+			},
+		}}})
+	}
+	return x.send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseBody{ResponseBody: &extprocv3.BodyResponse{}}})
+}
+
+// decodeErrorReply turns a decode non-2xx into SMG's answer.
+func (x *exchange) decodeErrorReply(body []byte) error {
+	st := x.decodeStatus
+	x.log.Warn().Int("status", st).Str("decode", x.pair.Decode.URL).Msg("decode returned an error")
+	if x.prefill != nil {
+		x.prefill.abort()
+	}
+	if x.req != nil && x.req.Stream {
+		x.phase = phaseDone
+		x.countError(st)
+		return x.send(immediate(st, x.commonHeaders("text/event-stream", ""), pd.DecodeStreamErrorFrame(st, body), "smg_decode_stream_error"))
+	}
+	return x.reject(pd.DecodeError(st, body))
+}
+
+// countTokens sends the request to one prefill and relays its answer as is.
+func (x *exchange) countTokens(snap []*workersT, preq policy.Request) error {
+	d := x.s.d
+	w, aerr := d.Selector.SelectPrefill(snap, preq)
+	if aerr != nil {
+		return x.reject(aerr)
+	}
+	release := w.Acquire()
+	defer release()
+	hdr := x.legHeaders()
+	if hdr.Get("Authorization") == "" && w.APIKey != "" {
+		hdr.Set("Authorization", "Bearer "+w.APIKey)
+	}
+	ctx, cancel := context.WithTimeout(x.ctx, d.RequestTimeout)
+	defer cancel()
+	st, rh, body, err := doPost(ctx, d.Client, w.BaseURL+x.route.UpstreamPath, hdr, x.req.Raw)
+	if err != nil {
+		x.log.Warn().Err(err).Str("prefill", w.URL).Msg("count_tokens failed")
+		return x.reject(apierr.Wrap(err, 502, apierr.CodeCountTokensFailed, "Failed to count tokens on prefill worker: "+err.Error()))
+	}
+	ct := rh.Get("Content-Type")
+	if ct == "" {
+		ct = "application/json"
+	}
+	x.phase = phaseDone
+	h := x.commonHeaders(ct, "")
+	h.SetHeaders = append(h.SetHeaders, hv(hdrRoutedWorker, w.URL))
+	return x.send(immediate(st, h, body, "smg_count_tokens"))
+}
+
+// reject answers the client with an SMG error and ends processing.
+func (x *exchange) reject(e *apierr.Error) error {
+	x.phase = phaseDone
+	x.watchPrefill = nil
+	if x.prefill != nil && !x.committed {
+		x.prefill.abort()
+	}
+	x.countError(e.Status)
+	h := x.commonHeaders("application/json", e.Code)
+	if e.RetryAfter > 0 {
+		h.SetHeaders = append(h.SetHeaders, hv("retry-after", strconv.Itoa(e.RetryAfter)))
+	}
+	return x.send(immediate(e.Status, h, e.Body(), "smg_"+strings.ReplaceAll(e.Code, " ", "_")))
+}
+
+func (x *exchange) countError(status int) {
+	if x.route == nil {
+		return
+	}
+	model := x.model
+	if model == "" {
+		model = "unknown"
+	}
+	x.s.d.Metrics.RouterErrors.WithLabelValues("http", "pd", "http", model, x.route.Endpoint, metricsErrorType(status)).Inc()
+}
+
+func (x *exchange) commonHeaders(contentType, code string) *extprocv3.HeaderMutation {
+	set := []*corev3.HeaderValueOption{hv("content-type", contentType)}
+	if x.reqID != "" {
+		set = append(set, hv(hdrRequestID, x.reqID))
+	}
+	if code != "" && apierr.HeaderSafe(code) {
+		set = append(set, hv(apierr.HeaderErrorCode, code))
+	}
+	return &extprocv3.HeaderMutation{SetHeaders: set}
+}
+
+func immediate(status int, h *extprocv3.HeaderMutation, body []byte, details string) *extprocv3.ProcessingResponse {
+	return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ImmediateResponse{ImmediateResponse: &extprocv3.ImmediateResponse{
+		Status:  &typev3.HttpStatus{Code: typev3.StatusCode(status)},
+		Headers: h,
+		Body:    body,
+		Details: details,
+	}}}
+}
+
+func headersContinue(m *extprocv3.HeaderMutation) *extprocv3.ProcessingResponse {
+	return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseHeaders{ResponseHeaders: &extprocv3.HeadersResponse{
+		Response: &extprocv3.CommonResponse{HeaderMutation: m},
+	}}}
+}
+
+func hv(k, v string) *corev3.HeaderValueOption {
+	return &corev3.HeaderValueOption{
+		Header:       &corev3.HeaderValue{Key: k, RawValue: []byte(v)},
+		AppendAction: corev3.HeaderValueOption_OVERWRITE_IF_EXISTS_OR_ADD,
+	}
+}

@@ -1,0 +1,90 @@
+// Package extproc is Envoy's external processor for the PD routes. One gRPC
+// stream is one client request; exchange (exchange.go) is its state machine.
+package extproc
+
+import (
+	"context"
+	"errors"
+	"io"
+	"net/http"
+	"time"
+
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"github.com/rs/zerolog"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/smg-project/smg-extproc/pkg/metrics"
+	"github.com/smg-project/smg-extproc/pkg/pairing"
+	"github.com/smg-project/smg-extproc/pkg/workers"
+)
+
+// Deps are the processor's collaborators.
+type Deps struct {
+	Log            zerolog.Logger
+	Registry       *workers.Registry
+	Selector       *pairing.Selector
+	Client         *http.Client
+	Metrics        *metrics.Metrics
+	RequestTimeout time.Duration
+}
+
+// Server implements envoy.service.ext_proc.v3.ExternalProcessor.
+type Server struct {
+	extprocv3.UnimplementedExternalProcessorServer
+	d Deps
+}
+
+// New returns a processor.
+func New(d Deps) *Server { return &Server{d: d} }
+
+// Register adds the service to g.
+func (s *Server) Register(g *grpc.Server) { extprocv3.RegisterExternalProcessorServer(g, s) }
+
+// Process runs one request's exchange.
+func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) error {
+	ctx := stream.Context()
+	x := newExchange(s, ctx, stream)
+	defer x.finish()
+
+	msgs := make(chan *extprocv3.ProcessingRequest)
+	recvErr := make(chan error, 1)
+	go func() {
+		for {
+			m, err := stream.Recv()
+			if err != nil {
+				recvErr <- err
+				return
+			}
+			select {
+			case msgs <- m:
+			case <-ctx.Done():
+				return
+			}
+		}
+	}()
+
+	for {
+		select {
+		case m := <-msgs:
+			if err := x.handle(m); err != nil {
+				return err
+			}
+		case err := <-recvErr:
+			if errors.Is(err, io.EOF) || status.Code(err) == codes.Canceled || ctx.Err() != nil {
+				return nil // Envoy ends every stream this way, success or client abort
+			}
+			x.log.Debug().Err(err).Msg("ext_proc stream receive failed")
+			return nil
+		case <-x.prefillWatch():
+			// The prefill failed while Envoy waits on the decode: answer now,
+			// which also resets the decode leg.
+			if err := x.onPrefillFailedEarly(); err != nil {
+				return err
+			}
+		case <-ctx.Done():
+			return nil
+		}
+	}
+}

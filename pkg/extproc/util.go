@@ -1,0 +1,46 @@
+package extproc
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+
+	"github.com/smg-project/smg-extproc/pkg/apierr"
+	"github.com/smg-project/smg-extproc/pkg/metrics"
+	"github.com/smg-project/smg-extproc/pkg/workers"
+)
+
+type workersT = workers.Worker
+
+func metricsErrorType(status int) string { return metrics.ErrorType(status) }
+
+// asAPIError keeps an *apierr.Error or wraps anything else.
+func asAPIError(err error, status int, code string) *apierr.Error {
+	var ae *apierr.Error
+	if errors.As(err, &ae) {
+		return ae
+	}
+	return apierr.Wrap(err, status, code, err.Error())
+}
+
+// doPost sends one JSON POST and reads the whole answer.
+func doPost(ctx context.Context, c *http.Client, url string, hdr http.Header, body []byte) (int, http.Header, []byte, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, url, bytes.NewReader(body))
+	if err != nil {
+		return 0, nil, nil, fmt.Errorf("build request: %w", err)
+	}
+	req.Header = hdr
+	resp, err := c.Do(req)
+	if err != nil {
+		return 0, nil, nil, err
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return 0, nil, nil, fmt.Errorf("read response body: %w", err)
+	}
+	return resp.StatusCode, resp.Header, b, nil
+}

@@ -1,0 +1,334 @@
+// Package workers owns the registry of prefill and decode workers: identity,
+// addresses derived from the registered URL, and change notification for the
+// xDS publisher. Health, breakers and load live beside the worker record so
+// that selection reads one consistent snapshot.
+package workers
+
+import (
+	"crypto/rand"
+	"encoding/hex"
+	"fmt"
+	"net"
+	"net/url"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// Type is a worker's role.
+type Type string
+
+const (
+	Prefill Type = "prefill"
+	Decode  Type = "decode"
+	Regular Type = "regular"
+)
+
+// Status is SMG's worker status vocabulary.
+type Status string
+
+const (
+	StatusPending  Status = "pending"
+	StatusReady    Status = "ready"
+	StatusNotReady Status = "not_ready"
+	StatusFailed   Status = "failed"
+)
+
+// Spec is what registration supplies.
+type Spec struct {
+	URL           string
+	Type          Type
+	BootstrapPort *int
+	Runtime       string
+	Labels        map[string]string
+	APIKey        string
+}
+
+// Worker is one registered engine endpoint. Immutable fields are set at
+// construction; mutable state is behind atomics so the request path never
+// takes the registry lock.
+type Worker struct {
+	ID            string
+	URL           string // as registered, including an "@rank" suffix
+	BaseURL       string // URL without "@rank": what legs are sent to
+	Type          Type
+	DPRank        *int
+	BootstrapHost string
+	BootstrapPort *int
+	Runtime       string
+	Labels        map[string]string
+	APIKey        string
+	// Addr is the "ip:port" Envoy knows this worker by (EDS endpoint address).
+	Addr string
+
+	healthy atomic.Bool
+	load    atomic.Int64
+}
+
+// Healthy reports whether the worker may be selected.
+func (w *Worker) Healthy() bool { return w.healthy.Load() }
+
+// SetHealthy flips routability.
+func (w *Worker) SetHealthy(v bool) { w.healthy.Store(v) }
+
+// Load is the gateway's in-flight count for this worker.
+func (w *Worker) Load() int64 { return w.load.Load() }
+
+// Acquire counts one in-flight request; the returned func releases it once.
+func (w *Worker) Acquire() func() {
+	w.load.Add(1)
+	var once sync.Once
+	return func() { once.Do(func() { w.load.Add(-1) }) }
+}
+
+// Status is the SMG status string.
+func (w *Worker) Status() Status {
+	if w.Healthy() {
+		return StatusReady
+	}
+	return StatusNotReady
+}
+
+// Resolver turns a host name into addresses; injected so tests need no DNS.
+type Resolver func(host string) ([]string, error)
+
+// DefaultResolver uses the system resolver and prefers IPv4.
+func DefaultResolver(host string) ([]string, error) {
+	if ip := net.ParseIP(strings.Trim(host, "[]")); ip != nil {
+		return []string{ip.String()}, nil
+	}
+	addrs, err := net.LookupHost(host)
+	if err != nil {
+		return nil, fmt.Errorf("resolve %q: %w", host, err)
+	}
+	return addrs, nil
+}
+
+// New builds a worker from a spec, validating the URL.
+func New(spec Spec, resolve Resolver) (*Worker, error) {
+	if resolve == nil {
+		resolve = DefaultResolver
+	}
+	raw := strings.TrimSpace(spec.URL)
+	if raw == "" {
+		return nil, fmt.Errorf("worker url is empty")
+	}
+	base, rank, err := splitRank(raw)
+	if err != nil {
+		return nil, err
+	}
+	if !strings.Contains(base, "://") {
+		base = "http://" + base
+	}
+	u, err := url.Parse(base)
+	if err != nil {
+		return nil, fmt.Errorf("invalid worker url %q: %w", raw, err)
+	}
+	switch u.Scheme {
+	case "http", "https":
+	case "ipc":
+		if spec.Type == Prefill || spec.Type == Decode {
+			return nil, fmt.Errorf("ipc:// workers cannot be PD legs: the ZMQ wire carries no KV-transfer metadata")
+		}
+		return nil, fmt.Errorf("ipc:// workers are not supported by the HTTP PD gateway")
+	default:
+		return nil, fmt.Errorf("invalid worker url %q: unsupported scheme %q", raw, u.Scheme)
+	}
+	if u.Hostname() == "" {
+		return nil, fmt.Errorf("invalid worker url %q: no host", raw)
+	}
+	if u.Path != "" && u.Path != "/" || u.RawQuery != "" || u.Fragment != "" {
+		return nil, fmt.Errorf("invalid worker url %q: must be scheme://host:port", raw)
+	}
+	port := u.Port()
+	if port == "" {
+		port = "80"
+		if u.Scheme == "https" {
+			port = "443"
+		}
+	}
+	if p, err := strconv.Atoi(port); err != nil || p < 1 || p > 65535 {
+		return nil, fmt.Errorf("invalid worker url %q: bad port", raw)
+	}
+	ips, err := resolve(u.Hostname())
+	if err != nil || len(ips) == 0 {
+		return nil, fmt.Errorf("invalid worker url %q: %w", raw, err)
+	}
+	ip := pickIP(ips)
+	host := u.Hostname()
+	if strings.Contains(host, ":") {
+		host = "[" + host + "]"
+	}
+	w := &Worker{
+		ID:            NewID(),
+		URL:           raw,
+		BaseURL:       u.Scheme + "://" + u.Host,
+		Type:          spec.Type,
+		DPRank:        rank,
+		BootstrapHost: host,
+		BootstrapPort: spec.BootstrapPort,
+		Runtime:       spec.Runtime,
+		Labels:        spec.Labels,
+		APIKey:        spec.APIKey,
+		Addr:          net.JoinHostPort(ip, port),
+	}
+	if w.Runtime == "" {
+		w.Runtime = "sglang"
+	}
+	return w, nil
+}
+
+func pickIP(ips []string) string {
+	for _, ip := range ips {
+		if p := net.ParseIP(ip); p != nil && p.To4() != nil {
+			return ip
+		}
+	}
+	return ips[0]
+}
+
+// splitRank strips an "@<digits>" DP-rank suffix.
+func splitRank(raw string) (string, *int, error) {
+	i := strings.LastIndexByte(raw, '@')
+	if i < 0 {
+		return raw, nil, nil
+	}
+	suffix := raw[i+1:]
+	n, err := strconv.Atoi(suffix)
+	if err != nil || n < 0 || strings.ContainsAny(suffix, "+-") {
+		// "user@host" style URLs are not worker URLs we accept.
+		return "", nil, fmt.Errorf("invalid worker url %q: bad DP rank suffix %q", raw, suffix)
+	}
+	return raw[:i], &n, nil
+}
+
+// NewID returns a UUIDv7 string: time-ordered, so /workers lists stay stable.
+func NewID() string {
+	var b [16]byte
+	_, _ = rand.Read(b[:])
+	ms := uint64(time.Now().UnixMilli())
+	b[0] = byte(ms >> 40)
+	b[1] = byte(ms >> 32)
+	b[2] = byte(ms >> 24)
+	b[3] = byte(ms >> 16)
+	b[4] = byte(ms >> 8)
+	b[5] = byte(ms)
+	b[6] = (b[6] & 0x0f) | 0x70
+	b[8] = (b[8] & 0x3f) | 0x80
+	h := hex.EncodeToString(b[:])
+	return h[0:8] + "-" + h[8:12] + "-" + h[12:16] + "-" + h[16:20] + "-" + h[20:32]
+}
+
+// Registry holds the current worker set. Readers get immutable snapshots.
+type Registry struct {
+	mu      sync.Mutex
+	workers []*Worker
+	snap    atomic.Pointer[[]*Worker]
+	subs    []chan struct{}
+}
+
+// NewRegistry returns an empty registry.
+func NewRegistry() *Registry {
+	r := &Registry{}
+	empty := []*Worker{}
+	r.snap.Store(&empty)
+	return r
+}
+
+// Snapshot is the current list in registration order; do not modify it.
+func (r *Registry) Snapshot() []*Worker { return *r.snap.Load() }
+
+// ByType filters a snapshot.
+func ByType(ws []*Worker, t Type) []*Worker {
+	out := make([]*Worker, 0, len(ws))
+	for _, w := range ws {
+		if w.Type == t {
+			out = append(out, w)
+		}
+	}
+	return out
+}
+
+// Get returns a worker by id.
+func (r *Registry) Get(id string) (*Worker, bool) {
+	for _, w := range r.Snapshot() {
+		if w.ID == id {
+			return w, true
+		}
+	}
+	return nil, false
+}
+
+// FindURL returns the worker registered at url.
+func (r *Registry) FindURL(u string) (*Worker, bool) {
+	for _, w := range r.Snapshot() {
+		if w.URL == u {
+			return w, true
+		}
+	}
+	return nil, false
+}
+
+// ErrExists is returned when a URL is already registered.
+type ErrExists struct{ Existing *Worker }
+
+func (e *ErrExists) Error() string {
+	return fmt.Sprintf("Worker already exists at URL '%s' with ID %s", e.Existing.URL, e.Existing.ID)
+}
+
+// Add registers w; URLs are unique.
+func (r *Registry) Add(w *Worker) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, x := range r.workers {
+		if x.URL == w.URL {
+			return &ErrExists{Existing: x}
+		}
+	}
+	r.workers = append(r.workers, w)
+	r.publishLocked()
+	return nil
+}
+
+// Remove unregisters id; it reports whether it existed.
+func (r *Registry) Remove(id string) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for i, x := range r.workers {
+		if x.ID == id {
+			r.workers = append(r.workers[:i:i], r.workers[i+1:]...)
+			r.publishLocked()
+			return true
+		}
+	}
+	return false
+}
+
+// Changed signals subscribers after a health change made outside Add/Remove.
+func (r *Registry) Changed() {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.publishLocked()
+}
+
+func (r *Registry) publishLocked() {
+	s := append([]*Worker(nil), r.workers...)
+	r.snap.Store(&s)
+	for _, c := range r.subs {
+		select {
+		case c <- struct{}{}:
+		default: // a pending signal already covers this change
+		}
+	}
+}
+
+// Subscribe returns a channel signalled (coalesced) on every change.
+func (r *Registry) Subscribe() <-chan struct{} {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	c := make(chan struct{}, 1)
+	r.subs = append(r.subs, c)
+	return c
+}
