@@ -1,0 +1,145 @@
+package common
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"sync"
+	"time"
+)
+
+// MaxBodyBytes caps the request bodies a fake reads.
+const MaxBodyBytes = 64 << 20
+
+// RecordedRequest is one request received on an engine route.
+type RecordedRequest struct {
+	Method   string
+	Path     string
+	RawQuery string
+	Header   http.Header
+	Body     []byte
+	Time     time.Time
+}
+
+type recordedRequestJSON struct {
+	Method   string          `json:"method"`
+	Path     string          `json:"path"`
+	RawQuery string          `json:"raw_query"`
+	Header   http.Header     `json:"headers"`
+	Body     string          `json:"body"`
+	BodyJSON json.RawMessage `json:"body_json,omitempty"`
+	Time     time.Time       `json:"time"`
+}
+
+// MarshalJSON renders the body both as raw text ("body") and, when it is
+// valid JSON, as embedded JSON ("body_json").
+func (r RecordedRequest) MarshalJSON() ([]byte, error) {
+	j := recordedRequestJSON{
+		Method: r.Method, Path: r.Path, RawQuery: r.RawQuery,
+		Header: r.Header, Body: string(r.Body), Time: r.Time,
+	}
+	if len(r.Body) > 0 && json.Valid(r.Body) {
+		j.BodyJSON = json.RawMessage(r.Body)
+	}
+	return json.Marshal(j)
+}
+
+// UnmarshalJSON is the inverse of MarshalJSON.
+func (r *RecordedRequest) UnmarshalJSON(b []byte) error {
+	var j recordedRequestJSON
+	if err := json.Unmarshal(b, &j); err != nil {
+		return err
+	}
+	*r = RecordedRequest{
+		Method: j.Method, Path: j.Path, RawQuery: j.RawQuery,
+		Header: j.Header, Body: []byte(j.Body), Time: j.Time,
+	}
+	return nil
+}
+
+// ErrBodyTooLarge is returned by ReadBody for bodies over MaxBodyBytes.
+var ErrBodyTooLarge = errors.New("request body too large")
+
+// ReadBody reads the whole request body (at most MaxBodyBytes).
+func ReadBody(r *http.Request) ([]byte, error) {
+	if r.Body == nil {
+		return nil, nil
+	}
+	b, err := io.ReadAll(io.LimitReader(r.Body, MaxBodyBytes+1))
+	if err != nil {
+		return nil, fmt.Errorf("read body: %w", err)
+	}
+	if len(b) > MaxBodyBytes {
+		return nil, ErrBodyTooLarge
+	}
+	return b, nil
+}
+
+// RequestLog is a bounded, concurrency-safe list of received requests. When
+// full, the oldest entries are dropped (and counted).
+type RequestLog struct {
+	mu      sync.Mutex
+	limit   int
+	reqs    []RecordedRequest
+	total   uint64
+	dropped uint64
+}
+
+// NewRequestLog returns a log keeping at most limit requests (limit <= 0: 10000).
+func NewRequestLog(limit int) *RequestLog {
+	if limit <= 0 {
+		limit = 10000
+	}
+	return &RequestLog{limit: limit}
+}
+
+// Record stores a request; body is kept as given (callers pass a fresh slice).
+func (l *RequestLog) Record(r *http.Request, body []byte, at time.Time) {
+	rec := RecordedRequest{
+		Method: r.Method, Path: r.URL.Path, RawQuery: r.URL.RawQuery,
+		Header: r.Header.Clone(), Body: body, Time: at,
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.total++
+	if len(l.reqs) >= l.limit {
+		n := len(l.reqs) - l.limit + 1
+		l.reqs = append(l.reqs[:0], l.reqs[n:]...)
+		l.dropped += uint64(n)
+	}
+	l.reqs = append(l.reqs, rec)
+}
+
+// Snapshot returns a copy of the recorded requests in arrival order.
+func (l *RequestLog) Snapshot() []RecordedRequest {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	out := make([]RecordedRequest, len(l.reqs))
+	copy(out, l.reqs)
+	return out
+}
+
+// Total is the number of requests recorded since the last Reset, including dropped ones.
+func (l *RequestLog) Total() uint64 {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.total
+}
+
+// Dropped is how many requests were evicted since the last Reset.
+func (l *RequestLog) Dropped() uint64 {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.dropped
+}
+
+// Reset empties the log.
+func (l *RequestLog) Reset() {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.reqs = nil
+	l.total = 0
+	l.dropped = 0
+}
