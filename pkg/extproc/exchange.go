@@ -160,6 +160,8 @@ func (x *exchange) legHeaders() http.Header {
 		}
 	}
 	h.Set("Content-Type", "application/json")
+	// An explicit empty User-Agent stops Go from adding its own: legs carry only the allowlist.
+	h["User-Agent"] = []string{""}
 	return h
 }
 

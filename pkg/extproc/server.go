@@ -3,7 +3,6 @@
 package extproc
 
 import (
-	"context"
 	"errors"
 	"io"
 	"net/http"
