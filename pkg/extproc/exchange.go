@@ -43,6 +43,7 @@ const (
 	respPass respMode = iota
 	respDecodeError
 	respMergeLogprobs
+	respMergeStream
 )
 
 // exchange is one client request as seen through one ext_proc stream.
@@ -67,6 +68,7 @@ type exchange struct {
 	releases     []func()
 	model        string
 	committed    bool
+	prefillLP    []byte // prefill input_token_logprobs for a streamed merge
 }
 
 func newExchange(s *Server, ctx context.Context, stream extprocv3.ExternalProcessor_ProcessServer) *exchange {
@@ -333,17 +335,37 @@ func (x *exchange) onResponseHeaders(h *extprocv3.HttpHeaders) error {
 	resp := &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseHeaders{ResponseHeaders: &extprocv3.HeadersResponse{
 		Response: &extprocv3.CommonResponse{HeaderMutation: &extprocv3.HeaderMutation{SetHeaders: set}},
 	}}}
-	if x.req.Logprobs && !x.req.Stream && !h.EndOfStream {
+	switch {
+	case x.req.Logprobs && !x.req.Stream && !h.EndOfStream:
 		x.mode = respMergeLogprobs
 		x.phase = phaseRespBody
 		resp.ModeOverride = &filterv3.ProcessingMode{ResponseBodyMode: filterv3.ProcessingMode_BUFFERED, ResponseHeaderMode: filterv3.ProcessingMode_SEND}
-	} else {
+	case x.req.Logprobs && x.req.Stream && !h.EndOfStream && x.streamMergeSource() != nil:
+		// Only a prefill that answered one JSON document (not SSE) has logprobs to prepend.
+		x.mode = respMergeStream
+		x.phase = phaseRespBody
+		resp.ModeOverride = &filterv3.ProcessingMode{ResponseBodyMode: filterv3.ProcessingMode_STREAMED, ResponseHeaderMode: filterv3.ProcessingMode_SEND}
+	default:
 		x.phase = phaseDone
 	}
 	return x.send(resp)
 }
 
+func (x *exchange) streamMergeSource() []byte {
+	x.prefill.mu.Lock()
+	body := x.prefill.body
+	x.prefill.mu.Unlock()
+	x.prefillLP = pd.PrefillLogprobs(body)
+	return x.prefillLP
+}
+
 func (x *exchange) onResponseBody(b *extprocv3.HttpBody) error {
+	if x.phase == phaseRespBody && x.mode == respMergeStream {
+		out := pd.MergeLogprobsChunk(x.prefillLP, b.Body)
+		return x.send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseBody{ResponseBody: &extprocv3.BodyResponse{
+			Response: &extprocv3.CommonResponse{BodyMutation: &extprocv3.BodyMutation{Mutation: &extprocv3.BodyMutation_Body{Body: out}}},
+		}}})
+	}
 	if x.phase != phaseRespBody || !b.EndOfStream {
 		return x.send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseBody{ResponseBody: &extprocv3.BodyResponse{}}})
 	}

@@ -209,13 +209,13 @@ func skipValue(b []byte, i int) (int, error) {
 				return i, err
 			}
 		case c == '{':
+			if len(stack) >= maxDepth {
+				return i, errAt("exceeded max nesting depth", i)
+			}
 			i = skipWS(b, i+1)
 			if i < len(b) && b[i] == '}' {
 				i++
 				break
-			}
-			if len(stack) >= maxDepth {
-				return i, errAt("exceeded max nesting depth", i)
 			}
 			stack = append(stack, '{')
 			if i, err = scanKeyColon(b, i); err != nil {
@@ -223,13 +223,13 @@ func skipValue(b []byte, i int) (int, error) {
 			}
 			continue
 		case c == '[':
+			if len(stack) >= maxDepth {
+				return i, errAt("exceeded max nesting depth", i)
+			}
 			i = skipWS(b, i+1)
 			if i < len(b) && b[i] == ']' {
 				i++
 				break
-			}
-			if len(stack) >= maxDepth {
-				return i, errAt("exceeded max nesting depth", i)
 			}
 			stack = append(stack, '[')
 			continue
