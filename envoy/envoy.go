@@ -24,6 +24,8 @@ type Params struct {
 	AdminPort          int
 	MaxPayloadSize     int64
 	RequestTimeoutSecs int
+	// RouteTimeoutSecs bounds the decode leg in Envoy.
+	RouteTimeoutSecs int
 	// MessageTimeoutSecs bounds one ext_proc answer; the processor answers
 	// well inside it (it enforces the request timeout itself).
 	MessageTimeoutSecs int

@@ -133,7 +133,7 @@ func renderBootstrap(cfg *config.Config, extprocPort, adminPort int) ([]byte, er
 		NodeID: cfg.NodeID, Host: cfg.Host, Port: cfg.Port, EnvoyAdminPort: cfg.EnvoyAdminPort,
 		ControlHost: cfg.ControlHost, ExtProcPort: extprocPort, AdminPort: adminPort,
 		MaxPayloadSize: cfg.MaxPayloadSize, RequestTimeoutSecs: cfg.RequestTimeoutSecs,
-		MessageTimeoutSecs: cfg.RequestTimeoutSecs + 30, PDRoutes: routes,
+		RouteTimeoutSecs: cfg.RequestTimeoutSecs + 2, MessageTimeoutSecs: cfg.RequestTimeoutSecs + 30, PDRoutes: routes,
 	})
 }
 
@@ -202,7 +202,7 @@ func run(withEnvoy bool, cfg config.Config) error {
 	proc := extproc.New(extproc.Deps{
 		Log: log.With().Str("component", "extproc").Logger(), Registry: reg,
 		Selector: &pairing.Selector{Prefill: prefillPolicy, Decode: decodePolicy},
-		Client:   client, Metrics: m, RequestTimeout: cfg.RequestTimeout(),
+		Client:   client, Metrics: m, RequestTimeout: cfg.RequestTimeout(), MaxPayloadSize: cfg.MaxPayloadSize,
 	})
 	maxMsg := int(cfg.MaxPayloadSize) + 1<<20
 	if cfg.MaxPayloadSize > 1<<31-1<<21 {

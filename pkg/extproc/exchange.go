@@ -133,10 +133,17 @@ func (x *exchange) onRequestHeaders(h *extprocv3.HttpHeaders) error {
 	if h.EndOfStream {
 		return x.reject(apierr.New(400, apierr.CodeInvalidJSON, "Failed to parse the request body as JSON: empty body"))
 	}
+	if cl, err := strconv.ParseInt(x.reqHdr["content-length"], 10, 64); err == nil && cl > x.s.d.MaxPayloadSize {
+		return x.reject(tooLarge(x.s.d.MaxPayloadSize))
+	}
 	x.phase = phaseBody
 	return x.send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestHeaders{
 		RequestHeaders: &extprocv3.HeadersResponse{Response: &extprocv3.CommonResponse{HeaderMutation: x.allowlistMutation()}},
 	}})
+}
+
+func tooLarge(limit int64) *apierr.Error {
+	return apierr.Newf(413, apierr.CodePayloadTooLarge, "Request body exceeds the maximum payload size of %d bytes", limit)
 }
 
 func (x *exchange) getHdr(name string) string { return x.reqHdr[name] }
@@ -176,6 +183,9 @@ func (x *exchange) onRequestBody(b *extprocv3.HttpBody) error {
 		return x.reject(apierr.New(500, apierr.CodeInternal, "ext_proc received a partial request body; request_body_mode must be BUFFERED"))
 	}
 	d := x.s.d
+	if int64(len(b.Body)) > d.MaxPayloadSize {
+		return x.reject(tooLarge(d.MaxPayloadSize))
+	}
 	req, err := pd.ParseRequest(x.route, b.Body)
 	if err != nil {
 		return x.reject(asAPIError(err, 400, apierr.CodeInvalidRequest))

@@ -27,6 +27,9 @@ type Deps struct {
 	Client         *http.Client
 	Metrics        *metrics.Metrics
 	RequestTimeout time.Duration
+	// MaxPayloadSize is checked here as well as by Envoy's buffer limit, which
+	// may round up to the connection's buffer size.
+	MaxPayloadSize int64
 }
 
 // Server implements envoy.service.ext_proc.v3.ExternalProcessor.

@@ -95,6 +95,7 @@ func (s *Server) decodeItem(ctx context.Context, req *request, it *item, cfg Con
 	if e != nil {
 		return outcome{}, e
 	}
+	s.dRooms.markUsed(it.room)
 
 	if res.PromptTokensHash != hashString(it.hash) || res.PromptLen != len(it.tokens) {
 		detail := fmt.Sprintf("prefill prompt_tokens_hash=%s prompt_len=%d, decode prompt_tokens_hash=%s prompt_len=%d",

@@ -109,7 +109,7 @@ func TestBatchAndParallelSampling(t *testing.T) {
 	cases := []struct {
 		name, path string
 		body       map[string]any // without bootstrap fields
-		boot       map[string]any
+		boot       map[string]any // r1, r2, r3 are replaced by fresh rooms per case
 		choices    int
 	}{
 		{"generate text batch list rooms", "/generate",
@@ -130,12 +130,25 @@ func TestBatchAndParallelSampling(t *testing.T) {
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			// Not parallel: several cases reuse r1 on purpose.
+			t.Parallel()
+			fresh := map[uint64]uint64{r1: newRoom(), r2: newRoom(), r3: newRoom()}
 			boot := map[string]any{}
 			for k, v := range tc.body {
 				boot[k] = v
 			}
 			for k, v := range tc.boot {
+				if k == "bootstrap_room" {
+					switch rv := v.(type) {
+					case uint64:
+						v = fresh[rv]
+					case []any:
+						list := make([]any, len(rv))
+						for i, x := range rv {
+							list[i] = fresh[x.(uint64)]
+						}
+						v = list
+					}
+				}
 				boot[k] = v
 			}
 			d := pair.d

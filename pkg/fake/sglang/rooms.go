@@ -66,17 +66,16 @@ func (e *roomEntry) stage() string {
 }
 
 // roomTable is the prefill's set of pending rooms plus a bounded memory of
-// rooms that already transferred (a late second join is rejected, strict).
+// rooms that already transferred: strict, reusing such a room is a
+// duplicate (400) and a late join for it is rejected.
 type roomTable struct {
 	mu        sync.Mutex
 	rooms     map[uint64]*roomEntry
-	completed map[uint64]struct{}
-	order     []uint64 // FIFO of completed, for eviction
-	limit     int
+	completed roomMemory
 }
 
 func newRoomTable(limit int) *roomTable {
-	return &roomTable{rooms: make(map[uint64]*roomEntry), completed: make(map[uint64]struct{}), limit: limit}
+	return &roomTable{rooms: make(map[uint64]*roomEntry), completed: newRoomMemory(limit)}
 }
 
 func newEntry(room uint64) *roomEntry {
@@ -97,7 +96,8 @@ func (t *roomTable) registerPrefill(items []item, lax bool) ([]*roomEntry, *uint
 		if it.healthForm || it.stall {
 			continue
 		}
-		if e, ok := t.rooms[it.room]; ok && e.prefill {
+		used := t.completed.has(it.room)
+		if e, ok := t.rooms[it.room]; (ok && e.prefill) || (used && !lax) {
 			if lax {
 				it.stall = true
 				continue
@@ -118,7 +118,6 @@ func (t *roomTable) registerPrefill(items []item, lax bool) ([]*roomEntry, *uint
 			t.rooms[it.room] = e
 		}
 		e.prefill, e.rid, e.since = true, it.rid, time.Now()
-		delete(t.completed, it.room)
 		out[i] = e
 	}
 	return out, nil
@@ -142,7 +141,7 @@ func (t *roomTable) join(j *joinInfo, strict bool) (*roomEntry, joinOutcome) {
 		return e, joinDuplicate
 	}
 	if !ok {
-		if _, done := t.completed[j.Room]; done && strict {
+		if t.completed.has(j.Room) && strict {
 			return nil, joinAlreadyTransferred
 		}
 		e = newEntry(j.Room)
@@ -203,22 +202,14 @@ func (t *roomTable) complete(e *roomEntry, res *transferResult) bool {
 	if t.rooms[e.room] == e {
 		delete(t.rooms, e.room)
 	}
-	if _, ok := t.completed[e.room]; !ok {
-		t.completed[e.room] = struct{}{}
-		t.order = append(t.order, e.room)
-		for len(t.order) > t.limit {
-			delete(t.completed, t.order[0])
-			t.order = t.order[1:]
-		}
-	}
+	t.completed.add(e.room)
 	return true
 }
 
 func (t *roomTable) resetMemory() {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	t.completed = make(map[uint64]struct{})
-	t.order = nil
+	t.completed.reset()
 }
 
 func (t *roomTable) snapshot() []RoomState {
@@ -252,13 +243,61 @@ func (t *roomTable) counts() (waitingJoin, transferring int) {
 }
 
 // decodeRooms is the decode's set of rooms in flight (duplicate detection
-// and /_fake/state).
+// and /_fake/state) plus a bounded memory of rooms that transferred.
 type decodeRooms struct {
 	mu    sync.Mutex
 	rooms map[uint64]*RoomState
+	used  roomMemory
 }
 
-func newDecodeRooms() *decodeRooms { return &decodeRooms{rooms: make(map[uint64]*RoomState)} }
+func newDecodeRooms(limit int) *decodeRooms {
+	return &decodeRooms{rooms: make(map[uint64]*RoomState), used: newRoomMemory(limit)}
+}
+
+// roomMemory is a bounded FIFO set of rooms.
+type roomMemory struct {
+	set   map[uint64]struct{}
+	order []uint64
+	limit int
+}
+
+func newRoomMemory(limit int) roomMemory {
+	return roomMemory{set: make(map[uint64]struct{}), limit: limit}
+}
+
+func (m *roomMemory) has(room uint64) bool {
+	_, ok := m.set[room]
+	return ok
+}
+
+func (m *roomMemory) add(room uint64) {
+	if _, ok := m.set[room]; ok {
+		return
+	}
+	m.set[room] = struct{}{}
+	m.order = append(m.order, room)
+	for len(m.order) > m.limit {
+		delete(m.set, m.order[0])
+		m.order = m.order[1:]
+	}
+}
+
+func (m *roomMemory) reset() {
+	m.set = make(map[uint64]struct{})
+	m.order = nil
+}
+
+func (d *decodeRooms) markUsed(room uint64) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.used.add(room)
+}
+
+func (d *decodeRooms) resetMemory() {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.used.reset()
+}
 
 // register adds the items' rooms (all or none); it returns a room that is
 // already pending (lax: such items are marked to stall instead).
@@ -269,7 +308,7 @@ func (d *decodeRooms) register(items []item, lax bool) *uint64 {
 		if items[i].healthForm || items[i].stall {
 			continue
 		}
-		if _, ok := d.rooms[items[i].room]; ok {
+		if _, ok := d.rooms[items[i].room]; ok || (!lax && d.used.has(items[i].room)) {
 			if lax {
 				items[i].stall = true
 				continue

@@ -78,7 +78,7 @@ func New(cfg Config) *Server {
 		requests: common.NewRequestLog(cfg.MaxRecorded),
 		events:   common.NewEventLog(cfg.MaxRecorded),
 		rooms:    newRoomTable(4096),
-		dRooms:   newDecodeRooms(),
+		dRooms:   newDecodeRooms(4096),
 		tr:       tr,
 		client:   &http.Client{Transport: tr},
 		closed:   make(chan struct{}),
@@ -239,13 +239,13 @@ func (s *Server) Requests() []common.RecordedRequest { return s.requests.Snapsho
 // Events returns the ordered event log.
 func (s *Server) Events() []common.Event { return s.events.Snapshot() }
 
-// Reset clears the request and event logs and the memory of transferred
-// rooms, and restores the configuration given to New. In-flight requests are
+// Reset clears the request and event logs and the memory of used rooms, and restores the configuration given to New. In-flight requests are
 // not touched.
 func (s *Server) Reset() {
 	s.requests.Reset()
 	s.events.Reset()
 	s.rooms.resetMemory()
+	s.dRooms.resetMemory()
 	s.cfgMu.Lock()
 	s.cfg = s.initial
 	s.startupUntil = time.Time{}
