@@ -32,6 +32,16 @@ type Params struct {
 	PDRoutes           []string
 }
 
+// ControlConnectHost is where Envoy dials the Go servers: a wildcard listen
+// address is reached over loopback.
+func (p Params) ControlConnectHost() string {
+	switch p.ControlHost {
+	case "", "0.0.0.0", "::", "[::]":
+		return "127.0.0.1"
+	}
+	return p.ControlHost
+}
+
 // Render returns the bootstrap YAML.
 func Render(p Params) ([]byte, error) {
 	t, err := template.New("bootstrap").Option("missingkey=error").Parse(bootstrapText)

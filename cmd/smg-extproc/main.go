@@ -24,6 +24,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"github.com/rs/zerolog"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/health"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/keepalive"
 
 	envoycfg "github.com/smg-project/smg-extproc/envoy"
@@ -215,6 +217,11 @@ func run(withEnvoy bool, cfg config.Config) error {
 	)
 	proc.Register(g)
 	xdsSrv.Register(g)
+	// gRPC health for Envoy/Kubernetes probes of the ext_proc cluster.
+	hs := health.NewServer()
+	hs.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
+	hs.SetServingStatus("envoy.service.ext_proc.v3.ExternalProcessor", healthpb.HealthCheckResponse_SERVING)
+	healthpb.RegisterHealthServer(g, hs)
 
 	gl, err := net.Listen("tcp", net.JoinHostPort(cfg.ControlHost, strconv.Itoa(cfg.ExtProcPort)))
 	if err != nil {
