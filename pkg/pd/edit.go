@@ -49,7 +49,7 @@ func EditTopLevel(body []byte, set []KV, remove []string) ([]byte, error) {
 			return nil, fmt.Errorf("pd: value for key %q: %w", kv.Key, err)
 		}
 	}
-	return editObject(body, set, remove)
+	return editObject(body, set, remove, false)
 }
 
 // TopLevel returns the raw value of a top-level key of the JSON object body.
@@ -57,11 +57,17 @@ func EditTopLevel(body []byte, set []KV, remove []string) ([]byte, error) {
 // (Python's, Go's, serde_json's maps) keep the last. ok is false if the key
 // is absent or body is not a valid JSON object.
 func TopLevel(body []byte, key string) (raw []byte, ok bool) {
+	return topLevel(body, key, false)
+}
+
+// topLevel is TopLevel; trusted skips validation of bytes validated before.
+func topLevel(body []byte, key string, trusted bool) (raw []byte, ok bool) {
 	open, err := objectStart(body)
 	if err != nil {
 		return nil, false
 	}
 	it := newObjIter(body, open)
+	it.trusted = trusted
 	for it.next() {
 		if keyEquals(body, it.m, key) {
 			raw, ok = body[it.m.vs:it.m.ve], true
@@ -111,8 +117,9 @@ func inList(list []string, key []byte) bool {
 
 // editObject is the general single-pass editor. It copies body into a new
 // buffer, cutting and splicing at member boundaries so the separators that
-// remain are the client's own bytes.
-func editObject(b []byte, set []KV, remove []string) ([]byte, error) {
+// remain are the client's own bytes. trusted skips re-validating values of a
+// body validated before.
+func editObject(b []byte, set []KV, remove []string, trusted bool) ([]byte, error) {
 	open, err := objectStart(b)
 	if err != nil {
 		return nil, fmt.Errorf("pd: edit JSON object: %w", err)
@@ -134,6 +141,7 @@ func editObject(b []byte, set []KV, remove []string) ([]byte, error) {
 	prevEnd := open + 1 // end of the previous member's value, or just after '{'
 	first, emitted := true, false
 	it := newObjIter(b, open)
+	it.trusted = trusted
 	for it.next() {
 		m := it.m
 		key := m.keyBytes(b)

@@ -78,12 +78,12 @@ func DecodeReadError(status int, err error) *apierr.Error {
 
 func upstreamMessage(body []byte) string {
 	if i := skipWS(body, 0); i < len(body) && body[i] == '{' && validDoc(body) {
-		if e, ok := TopLevel(body, "error"); ok && e[0] == '{' {
-			if m, ok := TopLevel(e, "message"); ok && m[0] == '"' {
+		if e, ok := topLevel(body, "error", true); ok && e[0] == '{' {
+			if m, ok := topLevel(e, "message", true); ok && m[0] == '"' {
 				return decodeString(m)
 			}
 		}
-		if m, ok := TopLevel(body, "message"); ok && m[0] == '"' {
+		if m, ok := topLevel(body, "message", true); ok && m[0] == '"' {
 			return decodeString(m)
 		}
 	}

@@ -95,8 +95,8 @@ func BuildLegs(req *Request, b Bootstrap, dp DPRanks) (prefill, decode []byte, e
 		vDecodeRank
 		numVals
 	)
-	var scratchBuf [256]byte
-	sc := scratchBuf[:0]
+	// Room ≤ 19 digits, port ≤ 11 bytes or null, plus quotes and commas.
+	sc := make([]byte, 0, n*(len(b.Host)+36)+len(b.Model)+48)
 	var at [numVals + 1]int
 	at[vHost] = len(sc)
 	sc = appendRepeated(sc, list, n, func(dst []byte) []byte { return appendJSONString(dst, b.Host) })
@@ -211,7 +211,7 @@ func (req *Request) buildLeg(sets []ownedValue) ([]byte, error) {
 		for i, s := range sets {
 			kvs[i] = KV{Key: ownedNames[s.o], Value: s.val}
 		}
-		return editObject(req.Raw, kvs, nil)
+		return editObject(req.Raw, kvs, nil, lay.ok) // lay.ok: validated by ParseRequest
 	}
 	type splice struct {
 		s, e int

@@ -296,3 +296,65 @@ func BenchmarkJSONValidBaseline(b *testing.B) {
 		}
 	}
 }
+
+func FuzzBuildLegs(f *testing.F) {
+	seeds := []string{
+		`{"text":"hi"}`, `{"input_ids":[[1],[2]],"bootstrap_room":1}`, `{"messages":[{"role":"user","content":"x"}],"n":3}`,
+		`{"prompt":["a","b"],"bootstrap_room":[1],"bootstrap_room":2}`, ` { } `, `{"model":"m","routed_dp_rank":3}`,
+		`{"\u0062ootstrap_host":"x","text":["a"]}`, `[1]`, `{"a":`,
+	}
+	for i, s := range seeds {
+		f.Add([]byte(s), uint8(i))
+	}
+	port, pr, dr := 8998, 2, 5
+	owned := map[string]bool{}
+	for _, k := range ownedNames {
+		owned[k] = true
+	}
+	f.Fuzz(func(t *testing.T, body []byte, ri uint8) {
+		route := Routes()[int(ri)%len(routeTable)]
+		req, err := ParseRequest(route, body)
+		if err != nil {
+			return
+		}
+		var in map[string]json.RawMessage
+		if err := json.Unmarshal(body, &in); err != nil {
+			t.Fatalf("accepted invalid body %q: %v", body, err)
+		}
+		rooms := make([]uint64, max(req.BatchSize, 1))
+		for i := range rooms {
+			rooms[i] = uint64(i + 1)
+		}
+		bs := Bootstrap{Host: "h", Port: &port, Rooms: rooms, Model: "canon"}
+		dp := DPRanks{Prefill: &pr, Decode: &dr}
+		p, d, err := BuildLegs(req, bs, dp)
+		if err != nil {
+			t.Fatalf("BuildLegs(%q): %v", body, err)
+		}
+		slow := &Request{Route: req.Route, Raw: req.Raw, BatchSize: req.BatchSize, Model: req.Model}
+		sp, sd, err := BuildLegs(slow, bs, dp)
+		if err != nil || !bytes.Equal(p, sp) || !bytes.Equal(d, sd) {
+			t.Fatalf("fast and general paths differ for %q:\n%s\n%s\n%v", body, p, sp, err)
+		}
+		for _, leg := range [][]byte{p, d} {
+			if leg == nil {
+				continue
+			}
+			var out map[string]json.RawMessage
+			if err := json.Unmarshal(leg, &out); err != nil {
+				t.Fatalf("invalid leg %q from %q: %v", leg, body, err)
+			}
+			for k, v := range in {
+				if !owned[k] && !bytes.Equal(out[k], v) {
+					t.Fatalf("key %q changed: %q -> %q", k, v, out[k])
+				}
+			}
+			if !route.PrefillOnly {
+				room, _ := TopLevel(leg, "bootstrap_room")
+				if req.BatchSize == 0 && string(room) != "1" {
+					t.Fatalf("room %q in %q", room, leg)
+				}
+			}
+		}
+	})
+}

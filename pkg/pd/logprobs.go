@@ -72,43 +72,43 @@ func mergeLists(p, d, decodeBody []byte) ([]byte, bool) {
 
 // elems lists the element spans of the validated array b.
 func elems(b []byte, dst []span) []span {
-	it := newArrIter(b, 0)
+	it := trustedArrIter(b, skipWS(b, 0))
 	for it.next() {
 		dst = append(dst, span{it.vs, it.ve})
 	}
 	return dst
 }
 
-// logprobsArray returns meta_info.input_token_logprobs of the JSON object
-// doc if it is an array, else nil.
+// logprobsArray returns meta_info.input_token_logprobs of the validated JSON
+// object doc if it is an array, else nil.
 func logprobsArray(doc []byte) []byte {
-	meta, ok := TopLevel(doc, "meta_info")
+	meta, ok := topLevel(doc, "meta_info", true)
 	if !ok || meta[0] != '{' {
 		return nil
 	}
-	arr, ok := TopLevel(meta, "input_token_logprobs")
+	arr, ok := topLevel(meta, "input_token_logprobs", true)
 	if !ok || arr[0] != '[' {
 		return nil
 	}
 	return arr
 }
 
-// mergeInto prepends the elements of prefillArr to doc's
+// mergeInto prepends the elements of prefillArr to the validated doc's
 // meta_info.input_token_logprobs; the result is not compacted.
 func mergeInto(prefillArr, doc []byte) ([]byte, bool) {
-	meta, ok := TopLevel(doc, "meta_info")
+	meta, ok := topLevel(doc, "meta_info", true)
 	if !ok || meta[0] != '{' {
 		return nil, false
 	}
-	arr, ok := TopLevel(meta, "input_token_logprobs")
+	arr, ok := topLevel(meta, "input_token_logprobs", true)
 	if !ok || arr[0] != '[' {
 		return nil, false
 	}
-	newMeta, err := editObject(meta, []KV{{Key: "input_token_logprobs", Value: concatArrays(prefillArr, arr)}}, nil)
+	newMeta, err := editObject(meta, []KV{{Key: "input_token_logprobs", Value: concatArrays(prefillArr, arr)}}, nil, true)
 	if err != nil {
 		return nil, false
 	}
-	out, err := editObject(doc, []KV{{Key: "meta_info", Value: newMeta}}, nil)
+	out, err := editObject(doc, []KV{{Key: "meta_info", Value: newMeta}}, nil, true)
 	if err != nil {
 		return nil, false
 	}

@@ -366,7 +366,7 @@ func (req *Request) scanPrompt(f *[numFields]span, pieces []span) ([]span, error
 // countElems counts the elements of the (validated) array at b[open] and
 // checks they all start with kind: '"' strings, '[' arrays, '0' numbers.
 func countElems(b []byte, open int, kind byte) (int, error) {
-	it := newArrIter(b, open)
+	it := trustedArrIter(b, open)
 	for it.next() {
 		c := b[it.vs]
 		if kind == '0' {
@@ -382,7 +382,7 @@ func countElems(b []byte, open int, kind byte) (int, error) {
 
 // firstElem returns the span of the first element of a non-empty array.
 func firstElem(b []byte, open int) span {
-	it := newArrIter(b, open)
+	it := trustedArrIter(b, open)
 	it.next()
 	return span{it.vs, it.ve}
 }
@@ -491,13 +491,13 @@ func messagesText(b []byte, s span, pieces []span, chat bool) ([]span, error) {
 	if b[s.s] != '[' {
 		return nil, invalidRequest("messages must be an array")
 	}
-	it := newArrIter(b, s.s)
+	it := trustedArrIter(b, s.s)
 	for it.next() {
 		if b[it.vs] != '{' {
 			continue
 		}
 		var content, reasoning span
-		mi := newObjIter(b, it.vs)
+		mi := trustedObjIter(b, it.vs)
 		for mi.next() {
 			switch string(mi.m.keyBytes(b)) {
 			case "content":
@@ -531,13 +531,13 @@ func responsesText(b []byte, s span, pieces []span) ([]span, error) {
 	default:
 		return nil, invalidRequest("input must be a string or an array")
 	}
-	it := newArrIter(b, s.s)
+	it := trustedArrIter(b, s.s)
 	for it.next() {
 		if b[it.vs] != '{' {
 			continue
 		}
 		var content span
-		mi := newObjIter(b, it.vs)
+		mi := trustedObjIter(b, it.vs)
 		for mi.next() {
 			if string(mi.m.keyBytes(b)) == "content" {
 				content = span{mi.m.vs, mi.m.ve}
@@ -561,13 +561,13 @@ func contentText(b []byte, c span, pieces []span, typeA, typeB string) []span {
 	default:
 		return pieces
 	}
-	it := newArrIter(b, c.s)
+	it := trustedArrIter(b, c.s)
 	for it.next() {
 		if b[it.vs] != '{' {
 			continue
 		}
 		var typ, text span
-		pi := newObjIter(b, it.vs)
+		pi := trustedObjIter(b, it.vs)
 		for pi.next() {
 			switch string(pi.m.keyBytes(b)) {
 			case "type":

@@ -302,6 +302,65 @@ func checkDoc(b []byte) error {
 	return nil
 }
 
+// skipStringTrusted returns the index after the string at b[i] == '"' in
+// already-validated JSON: memchr to each quote, then backslash parity.
+func skipStringTrusted(b []byte, i int) int {
+	i++
+	for {
+		j := bytes.IndexByte(b[i:], '"')
+		if j < 0 {
+			return len(b)
+		}
+		i += j
+		k := i - 1
+		for b[k] == '\\' { // the opening quote bounds this walk
+			k--
+		}
+		if (i-1-k)%2 == 0 {
+			return i + 1
+		}
+		i++
+	}
+}
+
+// skipTrusted returns the end of the value at or after b[i] in JSON that has
+// already been validated. It is the fast path for second walks over a body.
+func skipTrusted(b []byte, i int) int {
+	i = skipWS(b, i)
+	if i >= len(b) {
+		return i
+	}
+	switch b[i] {
+	case '"':
+		return skipStringTrusted(b, i)
+	case '{', '[':
+		depth := 0
+		for i < len(b) {
+			switch b[i] {
+			case '"':
+				i = skipStringTrusted(b, i)
+				continue
+			case '{', '[':
+				depth++
+			case '}', ']':
+				if depth--; depth == 0 {
+					return i + 1
+				}
+			}
+			i++
+		}
+		return i
+	}
+	for i < len(b) { // number or literal
+		switch b[i] {
+		case ',', '}', ']', ' ', '\t', '\n', '\r':
+			return i
+		}
+		i++
+	}
+	return i
+}
+
 // member is one top-level "key": value pair as byte offsets.
 type member struct {
 	ks, ke int  // key including quotes: b[ks:ke]
@@ -323,19 +382,26 @@ func (m member) keyBytes(b []byte) []byte {
 }
 
 // objIter walks the members of the object at b[open] == '{', validating
-// each value. After next returns false, err is set or close/end are valid.
+// each value unless trusted (the bytes were validated before). After next
+// returns false, err is set or close/end are valid.
 type objIter struct {
-	b     []byte
-	i     int
-	n     int // members seen
-	m     member
-	close int // index of '}'
-	end   int // index after '}'
-	done  bool
-	err   error
+	b       []byte
+	trusted bool
+	i       int
+	n       int // members seen
+	m       member
+	close   int // index of '}'
+	end     int // index after '}'
+	done    bool
+	err     error
 }
 
 func newObjIter(b []byte, open int) objIter { return objIter{b: b, i: open + 1} }
+
+// trustedObjIter walks an object inside already-validated JSON.
+func trustedObjIter(b []byte, open int) objIter {
+	return objIter{b: b, i: open + 1, trusted: true}
+}
 
 func (it *objIter) next() bool {
 	if it.done || it.err != nil {
@@ -368,7 +434,10 @@ func (it *objIter) next() bool {
 	}
 	m := member{ks: i}
 	var err error
-	if i, m.esc, err = scanString(b, i); err != nil {
+	if it.trusted {
+		i = skipStringTrusted(b, i)
+		m.esc = bytes.IndexByte(b[m.ks:i], '\\') >= 0
+	} else if i, m.esc, err = scanString(b, i); err != nil {
 		it.err = err
 		return false
 	}
@@ -383,7 +452,9 @@ func (it *objIter) next() bool {
 		return false
 	}
 	m.vs = skipWS(b, i+1)
-	if m.ve, err = skipValue(b, m.vs); err != nil {
+	if it.trusted {
+		m.ve = skipTrusted(b, m.vs)
+	} else if m.ve, err = skipValue(b, m.vs); err != nil {
 		it.err = err
 		return false
 	}
@@ -394,16 +465,22 @@ func (it *objIter) next() bool {
 
 // arrIter walks the elements of the array at b[open] == '['.
 type arrIter struct {
-	b      []byte
-	i      int
-	n      int
-	vs, ve int
-	end    int
-	done   bool
-	err    error
+	b       []byte
+	trusted bool
+	i       int
+	n       int
+	vs, ve  int
+	end     int
+	done    bool
+	err     error
 }
 
 func newArrIter(b []byte, open int) arrIter { return arrIter{b: b, i: open + 1} }
+
+// trustedArrIter walks an array inside already-validated JSON.
+func trustedArrIter(b []byte, open int) arrIter {
+	return arrIter{b: b, i: open + 1, trusted: true}
+}
 
 func (it *arrIter) next() bool {
 	if it.done || it.err != nil {
@@ -426,21 +503,19 @@ func (it *arrIter) next() bool {
 		}
 		i = skipWS(b, i+1)
 	}
-	ve, err := skipValue(b, i)
-	if err != nil {
-		it.err = err
-		return false
+	var ve int
+	if it.trusted {
+		ve = skipTrusted(b, i)
+	} else {
+		var err error
+		if ve, err = skipValue(b, i); err != nil {
+			it.err = err
+			return false
+		}
 	}
 	it.vs, it.ve, it.i = i, ve, ve
 	it.n++
 	return true
-}
-
-// unescapeWriter is satisfied by *strings.Builder and *bytes.Buffer.
-type unescapeWriter interface {
-	Write(p []byte) (int, error)
-	WriteByte(c byte) error
-	WriteRune(r rune) (int, error)
 }
 
 func hex4(b []byte) rune {
@@ -460,8 +535,9 @@ func hex4(b []byte) rune {
 }
 
 // unescapeTo writes the decoded content of a validated JSON string body
-// (without quotes). Lone surrogates become U+FFFD, as in encoding/json.
-func unescapeTo(w unescapeWriter, raw []byte) {
+// (without quotes). Lone surrogates become U+FFFD, as in encoding/json. It
+// takes the concrete builder so callers' builders stay on the stack.
+func unescapeTo(w *strings.Builder, raw []byte) {
 	for len(raw) > 0 {
 		j := bytes.IndexByte(raw, '\\')
 		if j < 0 {
