@@ -21,8 +21,7 @@ type Event struct {
 // oldest events are dropped (and counted).
 type EventLog struct {
 	mu      sync.Mutex
-	limit   int
-	events  []Event
+	events  ring[Event]
 	seq     uint64
 	dropped uint64
 }
@@ -32,7 +31,7 @@ func NewEventLog(limit int) *EventLog {
 	if limit <= 0 {
 		limit = 10000
 	}
-	return &EventLog{limit: limit}
+	return &EventLog{events: newRing[Event](limit)}
 }
 
 // Add appends e, filling Seq and (when zero) TS.
@@ -44,21 +43,16 @@ func (l *EventLog) Add(e Event) {
 	defer l.mu.Unlock()
 	l.seq++
 	e.Seq = l.seq
-	if len(l.events) >= l.limit {
-		n := len(l.events) - l.limit + 1
-		l.events = append(l.events[:0], l.events[n:]...)
-		l.dropped += uint64(n)
+	if l.events.add(e) {
+		l.dropped++
 	}
-	l.events = append(l.events, e)
 }
 
 // Snapshot returns a copy of the events in order.
 func (l *EventLog) Snapshot() []Event {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	out := make([]Event, len(l.events))
-	copy(out, l.events)
-	return out
+	return l.events.snapshot()
 }
 
 // Dropped is how many events were evicted since the last Reset.
@@ -72,7 +66,7 @@ func (l *EventLog) Dropped() uint64 {
 func (l *EventLog) Reset() {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	l.events = nil
+	l.events.reset()
 	l.dropped = 0
 }
 

@@ -81,8 +81,7 @@ func ReadBody(r *http.Request) ([]byte, error) {
 // full, the oldest entries are dropped (and counted).
 type RequestLog struct {
 	mu      sync.Mutex
-	limit   int
-	reqs    []RecordedRequest
+	reqs    ring[RecordedRequest]
 	total   uint64
 	dropped uint64
 }
@@ -92,7 +91,7 @@ func NewRequestLog(limit int) *RequestLog {
 	if limit <= 0 {
 		limit = 10000
 	}
-	return &RequestLog{limit: limit}
+	return &RequestLog{reqs: newRing[RecordedRequest](limit)}
 }
 
 // Record stores a request; body is kept as given (callers pass a fresh slice).
@@ -104,21 +103,16 @@ func (l *RequestLog) Record(r *http.Request, body []byte, at time.Time) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	l.total++
-	if len(l.reqs) >= l.limit {
-		n := len(l.reqs) - l.limit + 1
-		l.reqs = append(l.reqs[:0], l.reqs[n:]...)
-		l.dropped += uint64(n)
+	if l.reqs.add(rec) {
+		l.dropped++
 	}
-	l.reqs = append(l.reqs, rec)
 }
 
 // Snapshot returns a copy of the recorded requests in arrival order.
 func (l *RequestLog) Snapshot() []RecordedRequest {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	out := make([]RecordedRequest, len(l.reqs))
-	copy(out, l.reqs)
-	return out
+	return l.reqs.snapshot()
 }
 
 // Total is the number of requests recorded since the last Reset, including dropped ones.
@@ -139,7 +133,7 @@ func (l *RequestLog) Dropped() uint64 {
 func (l *RequestLog) Reset() {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	l.reqs = nil
+	l.reqs.reset()
 	l.total = 0
 	l.dropped = 0
 }

@@ -260,7 +260,7 @@ func (s *Server) heartbeat(ctx context.Context, addr string, cfg Config, cancel 
 			return
 		case <-t.C:
 		}
-		if s.probe(ctx, "http://"+addr+"/health", cfg.HeartbeatInterval) {
+		if s.probe(ctx, "http://"+addr+"/health", max(cfg.HeartbeatInterval, 2*time.Second)) {
 			fails = 0
 			continue
 		}

@@ -27,7 +27,6 @@ func fast(mode sglang.Mode) sglang.Config {
 		WaitingTimeout:     3 * time.Second,
 		FetchRetryInterval: 20 * time.Millisecond,
 		FetchAttempts:      3,
-		HeartbeatInterval:  time.Second,
 	}
 }
 
@@ -110,8 +109,6 @@ func (r resp) errMessage(t *testing.T) string {
 	return e["message"].(string)
 }
 
-var client = &http.Client{Transport: &http.Transport{Proxy: nil, MaxIdleConnsPerHost: 64}}
-
 func doRaw(ctx context.Context, method, url, contentType string, body []byte) resp {
 	start := time.Now()
 	req, err := http.NewRequestWithContext(ctx, method, url, bytes.NewReader(body))
@@ -121,7 +118,7 @@ func doRaw(ctx context.Context, method, url, contentType string, body []byte) re
 	if contentType != "" {
 		req.Header.Set("Content-Type", contentType)
 	}
-	res, err := client.Do(req)
+	res, err := http.DefaultClient.Do(req)
 	if err != nil {
 		return resp{err: err, elapsed: time.Since(start)}
 	}

@@ -11,28 +11,27 @@ import (
 	"github.com/smg-project/smg-extproc/pkg/fake/sglang"
 )
 
-var routeBodies = []struct {
-	path string
-	body map[string]any
-}{
-	{"/generate", map[string]any{"text": "the quick brown fox", "sampling_params": map[string]any{"max_new_tokens": 8}}},
-	{"/v1/chat/completions", map[string]any{"model": "m", "messages": []any{
-		map[string]any{"role": "system", "content": "be brief"},
-		map[string]any{"role": "user", "content": []any{map[string]any{"type": "text", "text": "hello there"}}},
-	}, "max_tokens": 8}},
-	{"/v1/completions", map[string]any{"model": "m", "prompt": "once upon a time", "max_tokens": 8}},
-	{"/v1/messages", map[string]any{"model": "m", "system": "be nice", "messages": []any{map[string]any{"role": "user", "content": "hi"}}, "max_tokens": 8}},
-	{"/v1/responses", map[string]any{"model": "m", "input": "tell me a story", "max_output_tokens": 8}},
-	{"/v1/rerank", map[string]any{"query": "what is go", "documents": []any{"go is a language", "a board game", "to go somewhere"}}},
-}
-
 // A correct parallel dispatch succeeds on every route, the decode answer
 // equals a non-PD fake's answer, and the prefill answers one token.
 func TestParallelDispatchSucceedsOnEveryRoute(t *testing.T) {
 	t.Parallel()
 	pair := newPair(t)
 	null := start(t, fast(sglang.Null))
-	for _, rb := range routeBodies {
+	routes := []struct {
+		path string
+		body map[string]any
+	}{
+		{"/generate", map[string]any{"text": "the quick brown fox", "sampling_params": map[string]any{"max_new_tokens": 8}}},
+		{"/v1/chat/completions", map[string]any{"model": "m", "messages": []any{
+			map[string]any{"role": "system", "content": "be brief"},
+			map[string]any{"role": "user", "content": []any{map[string]any{"type": "text", "text": "hello there"}}},
+		}, "max_tokens": 8}},
+		{"/v1/completions", map[string]any{"model": "m", "prompt": "once upon a time", "max_tokens": 8}},
+		{"/v1/messages", map[string]any{"model": "m", "system": "be nice", "messages": []any{map[string]any{"role": "user", "content": "hi"}}, "max_tokens": 8}},
+		{"/v1/responses", map[string]any{"model": "m", "input": "tell me a story", "max_output_tokens": 8}},
+		{"/v1/rerank", map[string]any{"query": "what is go", "documents": []any{"go is a language", "a board game", "to go somewhere"}}},
+	}
+	for _, rb := range routes {
 		for _, stream := range []bool{false, true} {
 			if rb.path == "/v1/rerank" && stream {
 				continue

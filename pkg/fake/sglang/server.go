@@ -43,7 +43,10 @@ type Server struct {
 
 	baseCtx   context.Context
 	cancel    context.CancelFunc
-	wg        sync.WaitGroup
+	wg        sync.WaitGroup // serve loops and the ctx watcher
+	hmu       sync.Mutex
+	closing   bool
+	handlers  sync.WaitGroup // in-flight handlers
 	started   atomic.Bool
 	closeOnce sync.Once
 	closeErr  error
@@ -121,10 +124,10 @@ func (s *Server) Start(ctx context.Context) error {
 
 	s.baseCtx, s.cancel = context.WithCancel(context.WithoutCancel(ctx))
 	base := func(net.Listener) context.Context { return s.baseCtx }
-	s.engineSrv = &http.Server{Handler: s.engineMux(), BaseContext: base, ReadHeaderTimeout: 10 * time.Second}
+	s.engineSrv = &http.Server{Handler: s.track(s.engineMux()), BaseContext: base, ReadHeaderTimeout: 10 * time.Second}
 	s.serve(s.engineSrv, s.engineLn)
 	if s.bootLn != nil {
-		s.bootSrv = &http.Server{Handler: s.bootstrapMux(), BaseContext: base, ReadHeaderTimeout: 10 * time.Second}
+		s.bootSrv = &http.Server{Handler: s.track(s.bootstrapMux()), BaseContext: base, ReadHeaderTimeout: 10 * time.Second}
 		s.serve(s.bootSrv, s.bootLn)
 	}
 	s.wg.Add(1)
@@ -150,26 +153,53 @@ func (s *Server) serve(srv *http.Server, ln net.Listener) {
 	}()
 }
 
-// Close stops both listeners, cancels every in-flight request and waits for
-// the server's goroutines. It is safe to call more than once.
+// track counts in-flight handlers so Close can wait for them.
+func (s *Server) track(h http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		s.hmu.Lock()
+		if s.closing {
+			s.hmu.Unlock()
+			w.WriteHeader(http.StatusServiceUnavailable)
+			return
+		}
+		s.handlers.Add(1)
+		s.hmu.Unlock()
+		defer s.handlers.Done()
+		h.ServeHTTP(w, r)
+	})
+}
+
+// Close stops both listeners, cancels every in-flight request (its client
+// sees the connection close) and waits for the server's goroutines. It is
+// safe to call more than once.
 func (s *Server) Close() error {
 	s.closeOnce.Do(func() {
 		close(s.closed)
 		if !s.started.Load() || s.cancel == nil {
 			return
 		}
+		s.hmu.Lock()
+		s.closing = true
+		s.hmu.Unlock()
 		s.cancel()
-		ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+		// Handlers wake up on the cancelled base context; give them a moment
+		// to finish their answers, then close whatever is left (including
+		// connections that never sent a request, which Shutdown would wait
+		// 5 s for).
+		ctx, cancel := context.WithTimeout(context.Background(), 250*time.Millisecond)
 		defer cancel()
 		for _, srv := range []*http.Server{s.engineSrv, s.bootSrv} {
 			if srv == nil {
 				continue
 			}
-			if err := srv.Shutdown(ctx); err != nil {
-				_ = srv.Close()
+			if err := srv.Shutdown(ctx); err != nil && !errors.Is(err, context.DeadlineExceeded) {
+				s.closeErr = errors.Join(s.closeErr, err)
+			}
+			if err := srv.Close(); err != nil {
 				s.closeErr = errors.Join(s.closeErr, err)
 			}
 		}
+		s.handlers.Wait()
 		s.tr.CloseIdleConnections()
 		s.wg.Wait()
 	})
