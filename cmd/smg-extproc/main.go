@@ -122,6 +122,8 @@ func newLogger(level string) zerolog.Logger {
 	if strings.EqualFold(level, "warning") {
 		lvl = zerolog.WarnLevel
 	}
+	// main owns the process: millisecond timestamps for every logger.
+	zerolog.TimeFieldFormat = time.RFC3339Nano
 	var w = zerolog.ConsoleWriter{Out: os.Stderr, TimeFormat: "15:04:05.000", NoColor: true}
 	return zerolog.New(w).Level(lvl).With().Timestamp().Logger()
 }
