@@ -36,14 +36,19 @@ const (
 	StatusFailed   Status = "failed"
 )
 
-// Spec is what registration supplies.
+// Spec is what registration supplies (CLI, config file or POST /workers).
 type Spec struct {
 	URL           string
 	Type          Type
 	BootstrapPort *int
-	Runtime       string
+	Runtime       string // "" = detect
 	Labels        map[string]string
 	APIKey        string
+	KVConnector   string
+	KVRole        string
+	KVEngineID    string
+	DPRank        *int // overrides an "@rank" URL suffix when set
+	DPSize        *int
 }
 
 // Worker is one registered engine endpoint. Immutable fields are set at
@@ -60,6 +65,10 @@ type Worker struct {
 	Runtime       string
 	Labels        map[string]string
 	APIKey        string
+	KVConnector   string
+	KVRole        string
+	KVEngineID    string
+	DPSize        *int
 	// Addr is the "ip:port" Envoy knows this worker by (EDS endpoint address).
 	Addr string
 
@@ -172,7 +181,14 @@ func New(spec Spec, resolve Resolver) (*Worker, error) {
 		Runtime:       spec.Runtime,
 		Labels:        spec.Labels,
 		APIKey:        spec.APIKey,
+		KVConnector:   spec.KVConnector,
+		KVRole:        spec.KVRole,
+		KVEngineID:    spec.KVEngineID,
+		DPSize:        spec.DPSize,
 		Addr:          net.JoinHostPort(ip, port),
+	}
+	if spec.DPRank != nil {
+		w.DPRank = spec.DPRank
 	}
 	if w.Runtime == "" {
 		w.Runtime = "sglang"
