@@ -33,6 +33,7 @@ import (
 	"github.com/smg-project/smg-extproc/pkg/config"
 	"github.com/smg-project/smg-extproc/pkg/extproc"
 	"github.com/smg-project/smg-extproc/pkg/launcher"
+	"github.com/smg-project/smg-extproc/pkg/manager"
 	"github.com/smg-project/smg-extproc/pkg/metrics"
 	"github.com/smg-project/smg-extproc/pkg/pairing"
 	"github.com/smg-project/smg-extproc/pkg/pd"
@@ -153,23 +154,20 @@ func run(withEnvoy bool, cfg config.Config) error {
 	defer stop()
 
 	reg := workers.NewRegistry()
+	mgr := manager.New(ctx, reg, log.With().Str("component", "workers").Logger(), manager.Hooks{
+		Attach: func(w *workers.Worker) func() {
+			w.SetStatus(workers.StatusReady)
+			reg.Changed()
+			return func() {}
+		},
+	})
 	for _, p := range cfg.Prefills {
-		w, err := workers.New(workers.Spec{URL: p.URL, Type: workers.Prefill, BootstrapPort: p.BootstrapPort}, nil)
-		if err != nil {
-			return fmt.Errorf("--prefill %s: %w", p.URL, err)
-		}
-		w.SetHealthy(true)
-		if err := reg.Add(w); err != nil {
+		if _, err := mgr.AddNow(workers.Spec{URL: p.URL, Type: workers.Prefill, BootstrapPort: p.BootstrapPort, Runtime: "sglang"}); err != nil {
 			return fmt.Errorf("--prefill %s: %w", p.URL, err)
 		}
 	}
 	for _, u := range cfg.Decodes {
-		w, err := workers.New(workers.Spec{URL: u, Type: workers.Decode}, nil)
-		if err != nil {
-			return fmt.Errorf("--decode %s: %w", u, err)
-		}
-		w.SetHealthy(true)
-		if err := reg.Add(w); err != nil {
+		if _, err := mgr.AddNow(workers.Spec{URL: u, Type: workers.Decode, Runtime: "sglang"}); err != nil {
 			return fmt.Errorf("--decode %s: %w", u, err)
 		}
 	}
@@ -233,7 +231,7 @@ func run(withEnvoy bool, cfg config.Config) error {
 	if err != nil {
 		return fmt.Errorf("admin listener: %w", err)
 	}
-	adminSrv := &http.Server{Handler: admin.Handler(admin.Deps{Log: log, Registry: reg, Client: client, APIKey: cfg.APIKey}),
+	adminSrv := &http.Server{Handler: admin.Handler(admin.Deps{Log: log, Registry: reg, Client: client, APIKey: cfg.APIKey, Manager: mgr}),
 		ReadHeaderTimeout: 10 * time.Second}
 	var promSrv *http.Server
 	var pl net.Listener

@@ -15,6 +15,7 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/smg-project/smg-extproc/pkg/apierr"
+	"github.com/smg-project/smg-extproc/pkg/manager"
 	"github.com/smg-project/smg-extproc/pkg/pd"
 	"github.com/smg-project/smg-extproc/pkg/workers"
 )
@@ -25,6 +26,9 @@ type Deps struct {
 	Registry *workers.Registry
 	Client   *http.Client
 	APIKey   string
+	Manager  *manager.Manager
+	// PairingKey renders a worker's pd_pairing key (nil: omitted).
+	PairingKey func(*workers.Worker) string
 }
 
 // Handler returns the admin HTTP handler.
@@ -36,6 +40,10 @@ func Handler(d Deps) http.Handler {
 	mux.HandleFunc("GET /readiness", a.readiness)
 	mux.HandleFunc("GET /workers", a.auth(a.listWorkers))
 	mux.HandleFunc("GET /workers/{id}", a.auth(a.getWorker))
+	mux.HandleFunc("POST /workers", a.auth(a.createWorker))
+	mux.HandleFunc("DELETE /workers/{id}", a.auth(a.deleteWorker))
+	mux.HandleFunc("PUT /workers/{id}", a.auth(a.replaceWorker))
+	mux.HandleFunc("PATCH /workers/{id}", a.auth(a.patchWorker))
 	mux.HandleFunc("GET /v1/models", a.proxyPrefill("/v1/models"))
 	mux.HandleFunc("GET /get_server_info", a.proxyPrefill("/get_server_info"))
 	mux.HandleFunc("GET /get_model_info", a.proxyPrefill("/get_model_info"))
@@ -103,19 +111,29 @@ type WorkerInfo struct {
 	RuntimeType    string            `json:"runtime_type,omitempty"`
 	BootstrapPort  *int              `json:"bootstrap_port,omitempty"`
 	DPRank         *int              `json:"dp_rank,omitempty"`
+	DPSize         *int              `json:"dp_size,omitempty"`
 	Labels         map[string]string `json:"labels,omitempty"`
+	KVConnector    string            `json:"kv_connector,omitempty"`
+	KVRole         string            `json:"kv_role,omitempty"`
+	KVEngineID     string            `json:"kv_engine_id,omitempty"`
+	PDPairing      string            `json:"pd_pairing,omitempty"`
 	IsHealthy      bool              `json:"is_healthy"`
 	Status         string            `json:"status"`
 	Load           int64             `json:"load"`
 	JobStatus      any               `json:"job_status"`
 }
 
-func info(w *workers.Worker) WorkerInfo {
-	return WorkerInfo{
+func (a *server) info(w *workers.Worker) WorkerInfo {
+	wi := WorkerInfo{
 		ID: w.ID, URL: w.URL, WorkerType: string(w.Type), ConnectionMode: "http", RuntimeType: w.Runtime,
-		BootstrapPort: w.BootstrapPort, DPRank: w.DPRank, Labels: w.Labels,
+		BootstrapPort: w.BootstrapPort, DPRank: w.DPRank, DPSize: w.DPSize, Labels: w.Labels,
+		KVConnector: w.KVConnector, KVRole: w.KVRole, KVEngineID: w.KVEngineID,
 		IsHealthy: w.Healthy(), Status: string(w.Status()), Load: w.Load(),
 	}
+	if a.d.PairingKey != nil && (w.Type == workers.Prefill || w.Type == workers.Decode) {
+		wi.PDPairing = a.d.PairingKey(w)
+	}
+	return wi
 }
 
 func (a *server) listWorkers(w http.ResponseWriter, _ *http.Request) {
@@ -123,7 +141,7 @@ func (a *server) listWorkers(w http.ResponseWriter, _ *http.Request) {
 	out := make([]WorkerInfo, 0, len(snap))
 	var p, d, r int
 	for _, wk := range snap {
-		out = append(out, info(wk))
+		out = append(out, a.info(wk))
 		switch wk.Type {
 		case workers.Prefill:
 			p++
@@ -147,10 +165,16 @@ func (a *server) getWorker(w http.ResponseWriter, r *http.Request) {
 	}
 	wk, ok := a.d.Registry.Get(id)
 	if !ok {
+		if a.d.Manager != nil {
+			if job, ok := a.d.Manager.Pending(id); ok {
+				writeJSON(w, 200, map[string]any{"id": id, "url": job.URL, "status": "pending", "is_healthy": false, "load": 0, "job_status": job})
+				return
+			}
+		}
 		writeJSON(w, 404, map[string]string{"error": "Worker not found: " + id, "code": "WORKER_NOT_FOUND"})
 		return
 	}
-	writeJSON(w, 200, info(wk))
+	writeJSON(w, 200, a.info(wk))
 }
 
 func looksLikeUUID(s string) bool {

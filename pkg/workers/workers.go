@@ -72,15 +72,48 @@ type Worker struct {
 	// Addr is the "ip:port" Envoy knows this worker by (EDS endpoint address).
 	Addr string
 
-	healthy atomic.Bool
-	load    atomic.Int64
+	status   atomic.Int32 // index into statuses
+	draining atomic.Bool
+	load     atomic.Int64
+	// Allow, when set, is the circuit breaker's admission check.
+	Allow func() bool
 }
 
-// Healthy reports whether the worker may be selected.
-func (w *Worker) Healthy() bool { return w.healthy.Load() }
+var statuses = [...]Status{StatusPending, StatusReady, StatusNotReady, StatusFailed}
 
-// SetHealthy flips routability.
-func (w *Worker) SetHealthy(v bool) { w.healthy.Store(v) }
+// Healthy reports whether the worker passes health checks (status ready).
+func (w *Worker) Healthy() bool { return w.status.Load() == 1 }
+
+// Available reports whether the worker may be selected now: ready, not
+// draining, and admitted by its circuit breaker.
+func (w *Worker) Available() bool {
+	return w.status.Load() == 1 && !w.draining.Load() && (w.Allow == nil || w.Allow())
+}
+
+// SetHealthy flips between ready and not_ready.
+func (w *Worker) SetHealthy(v bool) {
+	if v {
+		w.SetStatus(StatusReady)
+	} else {
+		w.SetStatus(StatusNotReady)
+	}
+}
+
+// SetStatus sets the health status.
+func (w *Worker) SetStatus(s Status) {
+	for i, x := range statuses {
+		if x == s {
+			w.status.Store(int32(i))
+			return
+		}
+	}
+}
+
+// SetDraining takes the worker out of selection ahead of its removal.
+func (w *Worker) SetDraining() { w.draining.Store(true) }
+
+// Draining reports whether the worker is being removed.
+func (w *Worker) Draining() bool { return w.draining.Load() }
 
 // Load is the gateway's in-flight count for this worker.
 func (w *Worker) Load() int64 { return w.load.Load() }
@@ -93,12 +126,7 @@ func (w *Worker) Acquire() func() {
 }
 
 // Status is the SMG status string.
-func (w *Worker) Status() Status {
-	if w.Healthy() {
-		return StatusReady
-	}
-	return StatusNotReady
-}
+func (w *Worker) Status() Status { return statuses[w.status.Load()] }
 
 // Resolver turns a host name into addresses; injected so tests need no DNS.
 type Resolver func(host string) ([]string, error)
@@ -315,6 +343,20 @@ func (r *Registry) Remove(id string) bool {
 	for i, x := range r.workers {
 		if x.ID == id {
 			r.workers = append(r.workers[:i:i], r.workers[i+1:]...)
+			r.publishLocked()
+			return true
+		}
+	}
+	return false
+}
+
+// Replace swaps old for nw in place (PUT/PATCH), keeping the position.
+func (r *Registry) Replace(old, nw *Worker) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for i, x := range r.workers {
+		if x == old {
+			r.workers[i] = nw
 			r.publishLocked()
 			return true
 		}
