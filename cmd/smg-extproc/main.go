@@ -76,7 +76,7 @@ func main() {
 			return
 		}
 	}
-	cfg, err := config.Parse(args)
+	cfg, file, err := config.ParseWithFile(args)
 	if err != nil {
 		fmt.Fprintf(os.Stderr, "smg-extproc: %v\n", err)
 		os.Exit(2)
@@ -99,7 +99,7 @@ func main() {
 		os.Stdout.Write(b)
 		return
 	}
-	if err := run(sub == "launch", cfg); err != nil {
+	if err := run(sub == "launch", cfg, file); err != nil {
 		fmt.Fprintf(os.Stderr, "smg-extproc: %v\n", err)
 		os.Exit(1)
 	}
@@ -142,7 +142,21 @@ func renderBootstrap(cfg *config.Config, extprocPort, adminPort int) ([]byte, er
 	})
 }
 
-func run(withEnvoy bool, cfg config.Config) error {
+func fileSpecs(f *config.File) []workers.Spec {
+	out := make([]workers.Spec, 0, len(f.Workers))
+	for _, w := range f.Workers {
+		t := workers.Type(w.WorkerType)
+		if t == "" {
+			t = workers.Regular
+		}
+		out = append(out, workers.Spec{URL: w.URL, Type: t, BootstrapPort: w.BootstrapPort, Runtime: w.RuntimeType,
+			Labels: w.Labels, APIKey: w.APIKey, KVConnector: w.KVConnector, KVRole: w.KVRole, KVEngineID: w.KVEngineID,
+			DPRank: w.DPRank, DPSize: w.DPSize})
+	}
+	return out
+}
+
+func run(withEnvoy bool, cfg config.Config, file *config.File) error {
 	log := newLogger(cfg.LogLevel)
 	if !cfg.PDDisaggregation {
 		log.Warn().Msg("--pd-disaggregation not given; smg-extproc only serves PD mode and runs it anyway")
@@ -171,6 +185,19 @@ func run(withEnvoy bool, cfg config.Config) error {
 			return fmt.Errorf("--decode %s: %w", u, err)
 		}
 	}
+	if file != nil {
+		mgr.Sync(fileSpecs(file))
+		wlog := log.With().Str("component", "config").Str("file", cfg.ConfigFile).Logger()
+		err := config.Watch(ctx, cfg.ConfigFile, func(f *config.File) {
+			wlog.Info().Int("workers", len(f.Workers)).Msg("config file changed; applying the worker list (other settings apply at restart)")
+			mgr.Sync(fileSpecs(f))
+		}, func(err error) {
+			wlog.Error().Err(err).Msg("config file rejected; keeping the last good configuration")
+		})
+		if err != nil {
+			return err
+		}
+	}
 
 	pp, dp := cfg.EffectivePolicies()
 	mk := func(leg, name string) (policy.Policy, error) {
@@ -192,6 +219,31 @@ func run(withEnvoy bool, cfg config.Config) error {
 		return err
 	}
 
+	mode, err := pairing.ParseMode(cfg.PDPairingMode)
+	if err != nil {
+		return err
+	}
+	sel := pairing.NewSelector(prefillPolicy, decodePolicy, mode)
+	sel.Available = (*workers.Worker).Available
+	plog := log.With().Str("component", "pairing").Logger()
+	rebuild := func() {
+		if ref := sel.Rebuild(reg.Snapshot()); ref != nil {
+			plog.Warn().Msg(ref.Message())
+		}
+	}
+	rebuild()
+	go func() {
+		ch := reg.Subscribe()
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-ch:
+				rebuild()
+			}
+		}
+	}()
+
 	promReg := prometheus.NewRegistry()
 	promReg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	m := metrics.New(promReg)
@@ -203,7 +255,7 @@ func run(withEnvoy bool, cfg config.Config) error {
 	}
 	proc := extproc.New(extproc.Deps{
 		Log: log.With().Str("component", "extproc").Logger(), Registry: reg,
-		Selector: &pairing.Selector{Prefill: prefillPolicy, Decode: decodePolicy},
+		Selector: sel,
 		Client:   client, Metrics: m, RequestTimeout: cfg.RequestTimeout(), MaxPayloadSize: cfg.MaxPayloadSize,
 	})
 	maxMsg := int(cfg.MaxPayloadSize) + 1<<20
@@ -231,7 +283,7 @@ func run(withEnvoy bool, cfg config.Config) error {
 	if err != nil {
 		return fmt.Errorf("admin listener: %w", err)
 	}
-	adminSrv := &http.Server{Handler: admin.Handler(admin.Deps{Log: log, Registry: reg, Client: client, APIKey: cfg.APIKey, Manager: mgr}),
+	adminSrv := &http.Server{Handler: admin.Handler(admin.Deps{Log: log, Registry: reg, Client: client, APIKey: cfg.APIKey, Manager: mgr, PairingKey: pairing.KeyOf}),
 		ReadHeaderTimeout: 10 * time.Second}
 	var promSrv *http.Server
 	var pl net.Listener

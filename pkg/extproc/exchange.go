@@ -197,11 +197,12 @@ func (x *exchange) onRequestBody(b *extprocv3.HttpBody) error {
 	}
 	d.Metrics.RouterRequests.WithLabelValues("http", "pd", "http", x.model, x.route.Endpoint, strconv.FormatBool(req.Stream)).Inc()
 	preq := policy.Request{Text: req.Text, RoutingKey: x.reqHdr["x-smg-routing-key"]}
-	snap := d.Registry.Snapshot()
+	// The pair index follows membership; Sync is one pointer compare when nothing changed.
+	d.Selector.Sync(d.Registry.Snapshot)
 	if x.route.PrefillOnly {
-		return x.countTokens(snap, preq)
+		return x.countTokens(preq)
 	}
-	pair, aerr := d.Selector.SelectPair(snap, preq)
+	pair, aerr := d.Selector.SelectPair(preq)
 	if aerr != nil {
 		x.log.Warn().Str("code", aerr.Code).Msg(aerr.Message)
 		return x.reject(aerr)
@@ -419,9 +420,9 @@ func (x *exchange) decodeErrorReply(body []byte) error {
 }
 
 // countTokens sends the request to one prefill and relays its answer as is.
-func (x *exchange) countTokens(snap []*workersT, preq policy.Request) error {
+func (x *exchange) countTokens(preq policy.Request) error {
 	d := x.s.d
-	w, aerr := d.Selector.SelectPrefill(snap, preq)
+	w, aerr := d.Selector.SelectPrefill(preq)
 	if aerr != nil {
 		return x.reject(aerr)
 	}

@@ -57,7 +57,8 @@ type Manager struct {
 	mu    sync.Mutex
 	jobs  map[string]*Job // pending registrations by worker id
 	stops map[*workers.Worker]func()
-	byURL map[string]string // pending registration URL -> id
+	byURL map[string]string       // pending registration URL -> id
+	owned map[string]workers.Spec // workers the config file manages, by URL
 	wg    sync.WaitGroup
 	ctx   context.Context
 }

@@ -208,7 +208,11 @@ func loadAssignment(decodes []*workers.Worker) (*endpointv3.ClusterLoadAssignmen
 			return nil, fmt.Errorf("endpoint metadata: %w", err)
 		}
 		status := corev3.HealthStatus_HEALTHY
-		if !w.Healthy() {
+		switch {
+		case w.Draining():
+			// Streams in flight finish; Envoy sends nothing new there.
+			status = corev3.HealthStatus_DRAINING
+		case !w.Healthy():
 			status = corev3.HealthStatus_UNHEALTHY
 		}
 		lbs = append(lbs, &endpointv3.LbEndpoint{
