@@ -32,6 +32,7 @@ import (
 	"github.com/smg-project/smg-extproc/pkg/admin"
 	"github.com/smg-project/smg-extproc/pkg/config"
 	"github.com/smg-project/smg-extproc/pkg/extproc"
+	"github.com/smg-project/smg-extproc/pkg/fleet"
 	"github.com/smg-project/smg-extproc/pkg/launcher"
 	"github.com/smg-project/smg-extproc/pkg/manager"
 	"github.com/smg-project/smg-extproc/pkg/metrics"
@@ -168,23 +169,42 @@ func run(withEnvoy bool, cfg config.Config, file *config.File) error {
 	defer stop()
 
 	reg := workers.NewRegistry()
-	mgr := manager.New(ctx, reg, log.With().Str("component", "workers").Logger(), manager.Hooks{
-		Attach: func(w *workers.Worker) func() {
-			w.SetStatus(workers.StatusReady)
-			reg.Changed()
-			return func() {}
+	promReg := prometheus.NewRegistry()
+	promReg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	m := metrics.New(promReg)
+	fm := fleet.NewMetrics(promReg)
+	client := extproc.NewHTTPClient(10 * time.Second)
+	fcfg := manager.FleetConfig{
+		Health: fleet.HealthConfig{
+			Interval: time.Duration(cfg.HealthCheckIntervalSecs) * time.Second, Timeout: time.Duration(cfg.HealthCheckTimeoutSecs) * time.Second,
+			FailureThreshold: cfg.HealthFailureThreshold, SuccessThreshold: cfg.HealthSuccessThreshold,
+			Endpoint: cfg.HealthCheckEndpoint, Disabled: cfg.DisableHealthCheck,
 		},
-	})
+		Breaker: fleet.BreakerConfig{
+			FailureThreshold: cfg.CBFailureThreshold, SuccessThreshold: cfg.CBSuccessThreshold,
+			Timeout: time.Duration(cfg.CBTimeoutDurationSecs) * time.Second, Window: time.Duration(cfg.CBWindowDurationSecs) * time.Second,
+			Disabled: cfg.DisableCircuitBreaker,
+		},
+		PendingInterval: 500 * time.Millisecond,
+	}
+	wlog := log.With().Str("component", "workers").Logger()
+	mgr := manager.New(ctx, reg, wlog, manager.FleetHooks(ctx, fcfg, client, fm, reg, wlog))
+	var startup []*workers.Worker
 	for _, p := range cfg.Prefills {
-		if _, err := mgr.AddNow(workers.Spec{URL: p.URL, Type: workers.Prefill, BootstrapPort: p.BootstrapPort, Runtime: "sglang"}); err != nil {
+		w, err := mgr.AddNow(workers.Spec{URL: p.URL, Type: workers.Prefill, BootstrapPort: p.BootstrapPort})
+		if err != nil {
 			return fmt.Errorf("--prefill %s: %w", p.URL, err)
 		}
+		startup = append(startup, w)
 	}
 	for _, u := range cfg.Decodes {
-		if _, err := mgr.AddNow(workers.Spec{URL: u, Type: workers.Decode, Runtime: "sglang"}); err != nil {
+		w, err := mgr.AddNow(workers.Spec{URL: u, Type: workers.Decode})
+		if err != nil {
 			return fmt.Errorf("--decode %s: %w", u, err)
 		}
+		startup = append(startup, w)
 	}
+
 	if file != nil {
 		mgr.Sync(fileSpecs(file))
 		wlog := log.With().Str("component", "config").Str("file", cfg.ConfigFile).Logger()
@@ -243,11 +263,6 @@ func run(withEnvoy bool, cfg config.Config, file *config.File) error {
 			}
 		}
 	}()
-
-	promReg := prometheus.NewRegistry()
-	promReg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	m := metrics.New(promReg)
-	client := extproc.NewHTTPClient(10 * time.Second)
 
 	xdsSrv, err := xds.New(ctx, log.With().Str("component", "xds").Logger())
 	if err != nil {
@@ -311,6 +326,18 @@ func run(withEnvoy bool, cfg config.Config, file *config.File) error {
 		Int("decode", len(workers.ByType(reg.Snapshot(), workers.Decode))).
 		Str("prefill_policy", pp).Str("decode_policy", dp).
 		Int("extproc_port", extprocPort).Int("admin_port", adminPort).Msg("control plane up")
+
+	// Startup workers get a short grace to pass their first health checks, so
+	// the gateway is usable as soon as it says ready (SMG waits for them too).
+	startup = reg.Snapshot() // command line and config file workers
+	wctx, wcancel := context.WithTimeout(ctx, 15*time.Second)
+	manager.WaitReady(wctx, startup)
+	wcancel()
+	for _, w := range startup {
+		if !w.Healthy() {
+			log.Warn().Str("url", w.URL).Str("status", string(w.Status())).Msg("startup worker not ready yet; it joins once healthy")
+		}
+	}
 
 	var child *launcher.Envoy
 	var childExited <-chan struct{}

@@ -237,6 +237,9 @@ func (x *exchange) onRequestBody(b *extprocv3.HttpBody) error {
 	x.dispatched = time.Now()
 	x.prefill = startPrefill(x.ctx, d.Client, pair.Prefill.BaseURL+x.route.UpstreamPath, x.legHeaders(), pBody,
 		d.RequestTimeout, keepBody, func(l *prefillLeg) {
+			if st, terr, ok := l.outcome(); ok {
+				pair.Prefill.Record(st, terr)
+			}
 			prefillRelease()
 			d.Metrics.WorkerActive.WithLabelValues(pair.Prefill.URL).Dec()
 			if !l.failed() {
@@ -305,6 +308,7 @@ func (x *exchange) onResponseHeaders(h *extprocv3.HttpHeaders) error {
 		}
 	}
 	x.decodeStatus = st
+	x.pair.Decode.Record(st, false)
 	d := x.s.d
 	if st < 200 || st > 299 {
 		// Decode errors win over prefill errors (SMG order). Buffer the body to rewrite it.

@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/http"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -50,6 +51,10 @@ type prefillLeg struct {
 
 	cancel   context.CancelFunc
 	unlinkFn func() bool // detaches the leg from the client's lifetime
+	aborted  atomic.Bool // the gateway dropped the leg
+	// byAbort marks an error caused by the gateway dropping the leg, which
+	// records no outcome; a failure seen before the drop still counts.
+	byAbort bool
 }
 
 // startPrefill sends body to url and drains the answer in a goroutine. ctx is
@@ -109,12 +114,18 @@ func (l *prefillLeg) run(ctx context.Context, client *http.Client, hdr http.Head
 	}
 	l.mu.Lock()
 	l.body, l.bodyErr = kept, rerr
+	if rerr != nil {
+		l.byAbort = l.aborted.Load()
+	}
 	l.mu.Unlock()
 }
 
 func (l *prefillLeg) setHead(status int, err error, errBody []byte) {
 	l.mu.Lock()
 	l.status, l.err, l.errBody, l.headAt = status, err, errBody, time.Now()
+	if err != nil {
+		l.byAbort = l.aborted.Load()
+	}
 	l.mu.Unlock()
 	close(l.head)
 }
@@ -136,4 +147,23 @@ func (l *prefillLeg) failed() bool {
 func (l *prefillLeg) detach() { l.unlinkFn() }
 
 // abort cancels the leg now.
-func (l *prefillLeg) abort() { l.cancel() }
+func (l *prefillLeg) abort() {
+	l.aborted.Store(true)
+	l.cancel()
+}
+
+// outcome is the leg's result for its worker's circuit breaker; ok is false
+// when the leg was dropped (no outcome is recorded then).
+func (l *prefillLeg) outcome() (status int, transportErr, ok bool) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	switch {
+	case l.byAbort:
+		return 0, false, false
+	case l.err != nil:
+		return 0, true, true
+	case l.bodyErr != nil:
+		return 502, false, true // a failed drain is a failed leg
+	}
+	return l.status, false, true
+}

@@ -77,6 +77,15 @@ type Worker struct {
 	load     atomic.Int64
 	// Allow, when set, is the circuit breaker's admission check.
 	Allow func() bool
+	// Outcome, when set, feeds one leg's result to the circuit breaker.
+	Outcome func(status int, transportErr bool)
+}
+
+// Record reports one leg's outcome (a no-op without a breaker).
+func (w *Worker) Record(status int, transportErr bool) {
+	if w.Outcome != nil {
+		w.Outcome(status, transportErr)
+	}
 }
 
 var statuses = [...]Status{StatusPending, StatusReady, StatusNotReady, StatusFailed}
