@@ -25,6 +25,8 @@ import (
 const (
 	hdrRoutedWorker = "x-smg-routed-worker-id"
 	hdrRequestID    = "x-request-id"
+	// hdrEnvoyReply marks Envoy's local replies (set by local_reply_config).
+	hdrEnvoyReply = "x-smg-envoy-reply"
 )
 
 type phase int
@@ -297,17 +299,34 @@ func (x *exchange) onResponseHeaders(h *extprocv3.HttpHeaders) error {
 		return x.send(headersContinue(nil))
 	}
 	x.watchPrefill = nil
-	st := 0
+	st, envoyReply := 0, false
 	for _, hv := range h.GetHeaders().GetHeaders() {
-		if hv.Key == ":status" {
+		switch hv.Key {
+		case ":status":
 			v := string(hv.RawValue)
 			if v == "" {
 				v = hv.Value
 			}
 			st, _ = strconv.Atoi(v)
+		case hdrEnvoyReply:
+			envoyReply = true
 		}
 	}
 	x.decodeStatus = st
+	if envoyReply {
+		// Envoy answered itself (decode unreachable, timed out, ...), already
+		// in SMG's error format: count a failed decode leg, drop the prefill.
+		x.pair.Decode.Record(st, true)
+		x.phase = phaseDone
+		x.prefill.abort()
+		x.countError(st)
+		x.log.Warn().Int("status", st).Str("decode", x.pair.Decode.URL).Msg("decode leg failed in Envoy")
+		return x.send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseHeaders{ResponseHeaders: &extprocv3.HeadersResponse{
+			Response: &extprocv3.CommonResponse{HeaderMutation: &extprocv3.HeaderMutation{
+				SetHeaders: []*corev3.HeaderValueOption{hv(hdrRequestID, x.reqID)}, RemoveHeaders: []string{hdrEnvoyReply},
+			}},
+		}}})
+	}
 	x.pair.Decode.Record(st, false)
 	d := x.s.d
 	if st < 200 || st > 299 {

@@ -151,6 +151,21 @@ func TestSGLangPrefillUnreachableAndHanging(t *testing.T) {
 		assert.True(t, strings.HasPrefix(msg, "Transport error:"), msg)
 		assert.Less(t, time.Since(start), 5*time.Second)
 	})
+	t.Run("decode-unreachable", func(t *testing.T) {
+		p.Reset()
+		gw := startGateway(t, gwOpts{Prefills: []prefillSpec{{URL: p.URL(), Port: strconv.Itoa(p.BootstrapPort())}},
+			Decodes: []string{dead}, Extra: []string{"--disable-health-check"}})
+		r := post(t, gw.URL+"/v1/chat/completions", chatBody, nil)
+		require.Equal(t, 502, r.Status, "body: %s", r.Body)
+		code, msg, _ := errorBody(t, r)
+		assert.Equal(t, "PD disaggregation request failed", code)
+		assert.True(t, strings.HasPrefix(msg, "Transport error:"), msg)
+		assert.NotEmpty(t, r.Header.Get("x-request-id"))
+		assert.Empty(t, r.Header.Get("x-smg-envoy-reply"), "internal marker must not leak")
+		// The prefill, waiting for a decode that will never join, is dropped.
+		waitFor(t, 5*time.Second, func() bool { return len(eventsWith(p.Events(), "aborted")) == 1 },
+			"prefill should be cancelled, events: %+v", p.Events())
+	})
 	t.Run("hanging-prefill-ends-within-request-timeout", func(t *testing.T) {
 		p.UpdateConfig(func(c *sglang.Config) { c.Hang = true })
 		d.UpdateConfig(func(c *sglang.Config) { c.WaitingTimeout = time.Minute })
