@@ -356,8 +356,14 @@ func (x *exchange) onResponseHeaders(h *extprocv3.HttpHeaders) error {
 	if x.prefill.failed() {
 		return x.reject(x.prefillError())
 	}
-	if x.prefill.bodyErr != nil {
-		x.log.Warn().Err(x.prefill.bodyErr).Msg("prefill body read failed; continuing with the decode response")
+	if wait == x.prefill.done {
+		// Streams commit on the head; only a drained body can report a read error here.
+		x.prefill.mu.Lock()
+		berr := x.prefill.bodyErr
+		x.prefill.mu.Unlock()
+		if berr != nil {
+			x.log.Warn().Err(berr).Msg("prefill body read failed; continuing with the decode response")
+		}
 	}
 	x.committed = true
 	x.prefill.detach()

@@ -9,7 +9,6 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -108,12 +107,13 @@ type session struct {
 	result    error
 	ended     bool
 	mu        sync.Mutex
+	timeout   time.Duration // per answer
 }
 
 func openSession(srv *extproc.Server) *session {
 	ctx, cancel := context.WithCancel(context.Background())
 	st := &fakeStream{ctx: ctx, in: make(chan *extprocv3.ProcessingRequest, 16), out: make(chan *extprocv3.ProcessingResponse, 16)}
-	s := &session{st: st, cancel: cancel, done: make(chan error, 1)}
+	s := &session{st: st, cancel: cancel, done: make(chan error, 1), timeout: wait}
 	go func() { s.done <- srv.Process(st) }()
 	return s
 }
@@ -136,8 +136,8 @@ func (s *session) next() (*extprocv3.ProcessingResponse, error) {
 	case err := <-s.done:
 		s.finished(err)
 		return nil, fmt.Errorf("Process returned (%v) instead of answering", err)
-	case <-time.After(wait):
-		return nil, errors.New("no answer from the processor within 5s")
+	case <-time.After(s.timeout):
+		return nil, fmt.Errorf("no answer from the processor within %s", s.timeout)
 	}
 }
 
@@ -166,8 +166,8 @@ func (s *session) waitDone() error {
 	case err := <-s.done:
 		s.finished(err)
 		return err
-	case <-time.After(wait):
-		return errors.New("Process did not return within 5s")
+	case <-time.After(s.timeout):
+		return fmt.Errorf("Process did not return within %s", s.timeout)
 	}
 }
 
@@ -389,6 +389,11 @@ func newWorker(t *testing.T, url string, typ workers.Type, port *int) *workers.W
 
 func newEnv(t *testing.T, timeout time.Duration, ws ...*workers.Worker) *env {
 	t.Helper()
+	return newEnvLimit(t, timeout, 1<<20, ws...)
+}
+
+func newEnvLimit(t *testing.T, timeout time.Duration, maxPayload int64, ws ...*workers.Worker) *env {
+	t.Helper()
 	reg := workers.NewRegistry()
 	for _, w := range ws {
 		require.NoError(t, reg.Add(w))
@@ -410,6 +415,7 @@ func newEnv(t *testing.T, timeout time.Duration, ws ...*workers.Worker) *env {
 		Client:         client,
 		Metrics:        metrics.New(prom),
 		RequestTimeout: timeout,
+		MaxPayloadSize: maxPayload,
 	})
 	return &env{srv: srv, reg: reg, prom: prom}
 }
@@ -443,7 +449,10 @@ func requireIdle(t *testing.T, ws ...*workers.Worker) {
 func (e *env) histogramCount(t *testing.T, name string) uint64 {
 	t.Helper()
 	mfs, err := e.prom.Gather()
-	require.NoError(t, err)
+	if err != nil { // not require: this runs inside Eventually's goroutine
+		t.Errorf("gather: %v", err)
+		return 0
+	}
 	var n uint64
 	for _, mf := range mfs {
 		if mf.GetName() == name {

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"runtime"
 	"slices"
 	"strconv"
 	"strings"
@@ -130,7 +131,8 @@ func TestHappyPathChat(t *testing.T) {
 
 			require.NoError(t, s.end())
 			requireIdle(t, e.pw, e.dw)
-			assert.EqualValues(t, 1, e.histogramCount(t, "smg_pd_prefill_duration_seconds"))
+			// The prefill duration is observed after the in-flight release.
+			assert.Eventually(t, func() bool { return e.histogramCount(t, "smg_pd_prefill_duration_seconds") == 1 }, wait, 2*time.Millisecond)
 			assert.EqualValues(t, 1, e.histogramCount(t, "smg_router_request_duration_seconds"))
 		})
 	}
@@ -548,6 +550,45 @@ func TestStreamCommitsOnPrefillHeadAndDrains(t *testing.T) {
 	require.Eventually(t, func() bool { return e.histogramCount(t, "smg_pd_prefill_duration_seconds") == 1 }, wait, 2*time.Millisecond)
 }
 
+// Regression: on the streamed early commit the processor reads the prefill's
+// body error while the drain goroutine may still be writing it. The prefill
+// below finishes its body shortly after its head, with no happens-before edge
+// from the processor's commit to the drain's end, so `go test -race` reports
+// the unsynchronised access (exchange.go onResponseHeaders reads
+// x.prefill.bodyErr without x.prefill.mu; prefill.go run writes it under mu).
+// The short delay in the handler only shapes timing (the body ends after the
+// commit); nothing waits on it. The test deliberately creates no timers
+// between the commit and the end of the drain: the race detector joins the
+// clocks of timers firing on one P, which would hide the race.
+func TestStreamCommitDoesNotRaceTheDrain(t *testing.T) {
+	handlerDone := make(chan struct{})
+	e := newPD(t, 0, func(w http.ResponseWriter, r *http.Request, f *prefillFake) {
+		defer close(handlerDone)
+		w.WriteHeader(200)
+		w.(http.Flusher).Flush()
+		select {
+		case <-time.After(50 * time.Millisecond):
+		case <-f.stop:
+		}
+		_, _ = io.WriteString(w, "data: [DONE]\n\n")
+	})
+	s := e.open(t)
+	_, bodyAns := s.dispatch(t, "/v1/chat/completions", `{"messages":[{"role":"user","content":"x"}],"stream":true}`)
+	require.NotNil(t, bodyAns.GetRequestBody())
+	s.send(respHeaders(200, false))
+	require.NotNil(t, s.recv(t).GetResponseHeaders())
+	select {
+	case <-handlerDone:
+	case <-time.After(wait):
+		t.Fatal("the prefill handler did not finish")
+	}
+	// The drain has finished once the prefill's in-flight count is released.
+	for deadline := time.Now().Add(wait); e.pw.Load() != 0; runtime.Gosched() {
+		require.False(t, time.Now().After(deadline), "the prefill drain did not finish")
+	}
+	require.NoError(t, s.end())
+}
+
 // 7. Non-streamed /generate with return_logprob: the decode body is buffered
 // and gets the prefill's input_token_logprobs prepended.
 func TestGenerateLogprobMerge(t *testing.T) {
@@ -605,28 +646,49 @@ func TestGenerateLogprobMerge(t *testing.T) {
 }
 
 // Streamed /generate with return_logprob: a prefill that answered one JSON
-// document has its logprobs prepended to each decode SSE chunk.
+// document has its logprobs prepended to each decode SSE chunk; an SSE prefill
+// (what a streamed request normally gets) has nothing to merge.
 func TestGenerateStreamLogprobMerge(t *testing.T) {
-	const prefillBody = `{"meta_info":{"input_token_logprobs":[[-0.1,11,null]]}}`
-	e := newPD(t, 0, replyWith(200, prefillBody))
-	s := e.open(t)
-	_, bodyAns := s.dispatch(t, "/generate", `{"text":"hi","return_logprob":true,"stream":true}`)
-	require.NotNil(t, bodyAns.GetRequestBody())
-	s.send(respHeaders(200, false, "content-type", "text/event-stream"))
-	ans := s.recv(t)
-	require.NotNil(t, ans.GetResponseHeaders(), "%v", ans)
-	require.NotNil(t, ans.GetModeOverride())
-	assert.Equal(t, filterv3.ProcessingMode_STREAMED, ans.GetModeOverride().GetResponseBodyMode())
+	chunk := "data: {\"text\":\"a\",\"meta_info\":{\"input_token_logprobs\":[[-0.2,12,null]]}}\n\n"
+	tests := []struct {
+		name        string
+		prefillBody string
+		wantMode    bool // STREAMED override and rewritten chunks
+		wantChunk   string
+	}{
+		{name: "JSON prefill", prefillBody: `{"meta_info":{"input_token_logprobs":[[-0.1,11,null]]}}`, wantMode: true,
+			wantChunk: "data: {\"text\":\"a\",\"meta_info\":{\"input_token_logprobs\":[[-0.1,11,null],[-0.2,12,null]]}}\n\n"},
+		{name: "SSE prefill", prefillBody: "data: {\"meta_info\":{\"input_token_logprobs\":[[-0.1,11,null]]}}\n\ndata: [DONE]\n\n"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			e := newPD(t, 0, replyWith(200, tc.prefillBody))
+			s := e.open(t)
+			_, bodyAns := s.dispatch(t, "/generate", `{"text":"hi","return_logprob":true,"stream":true}`)
+			require.NotNil(t, bodyAns.GetRequestBody())
+			s.send(respHeaders(200, false, "content-type", "text/event-stream"))
+			ans := s.recv(t)
+			require.NotNil(t, ans.GetResponseHeaders(), "%v", ans)
+			assert.Equal(t, "text/event-stream", setHeaders(ans.GetResponseHeaders().GetResponse().GetHeaderMutation())["content-type"])
+			if !tc.wantMode {
+				assert.Nil(t, ans.GetModeOverride())
+				require.NoError(t, s.end())
+				requireIdle(t, e.pw, e.dw)
+				return
+			}
+			require.NotNil(t, ans.GetModeOverride())
+			assert.Equal(t, filterv3.ProcessingMode_STREAMED, ans.GetModeOverride().GetResponseBodyMode())
 
-	s.send(respBody("data: {\"text\":\"a\",\"meta_info\":{\"input_token_logprobs\":[[-0.2,12,null]]}}\n\n", false))
-	ans = s.recv(t)
-	assert.Equal(t, "data: {\"text\":\"a\",\"meta_info\":{\"input_token_logprobs\":[[-0.1,11,null],[-0.2,12,null]]}}\n\n",
-		string(ans.GetResponseBody().GetResponse().GetBodyMutation().GetBody()))
-	s.send(respBody("data: [DONE]\n\n", true))
-	ans = s.recv(t)
-	assert.Equal(t, "data: [DONE]\n\n", string(ans.GetResponseBody().GetResponse().GetBodyMutation().GetBody()))
-	require.NoError(t, s.end())
-	requireIdle(t, e.pw, e.dw)
+			s.send(respBody(chunk, false))
+			ans = s.recv(t)
+			assert.Equal(t, tc.wantChunk, string(ans.GetResponseBody().GetResponse().GetBodyMutation().GetBody()))
+			s.send(respBody("data: [DONE]\n\n", true))
+			ans = s.recv(t)
+			assert.Equal(t, "data: [DONE]\n\n", string(ans.GetResponseBody().GetResponse().GetBodyMutation().GetBody()))
+			require.NoError(t, s.end())
+			requireIdle(t, e.pw, e.dw)
+		})
+	}
 }
 
 // 8. Bodies rejected before any leg is sent.
@@ -681,6 +743,53 @@ func TestInvalidRequests(t *testing.T) {
 			assert.Zero(t, e.prefill.hits.Load(), "no prefill request for a rejected body")
 			assert.Zero(t, e.pw.Load())
 			assert.Zero(t, e.dw.Load())
+		})
+	}
+}
+
+// Bodies over MaxPayloadSize are rejected with 413, by content-length or by size.
+func TestPayloadTooLarge(t *testing.T) {
+	const limit = 64
+	small := `{"messages":[{"role":"user","content":"x"}]}`
+	big := `{"messages":[{"role":"user","content":"` + strings.Repeat("x", limit) + `"}]}`
+	tests := []struct {
+		name   string
+		cl     string // content-length request header
+		body   string
+		atHead bool // rejected at the request headers
+		ok     bool
+	}{
+		{name: "content-length over the limit", cl: strconv.Itoa(len(big)), body: big, atHead: true},
+		{name: "body over the limit, no content-length (chunked)", body: big},
+		{name: "body over the limit, lying content-length", cl: "10", body: big},
+		{name: "exactly at the limit is accepted", cl: strconv.Itoa(limit), body: small + strings.Repeat(" ", limit-len(small)), ok: true},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			f := newPrefill(t, replyWith(200, `{}`))
+			pw := newWorker(t, f.URL, workers.Prefill, nil)
+			dw := newWorker(t, decodeURL, workers.Decode, nil)
+			e := newEnvLimit(t, 0, limit, pw, dw)
+			s := e.open(t)
+			hdrs := []string{"content-type", "application/json"}
+			if tc.cl != "" {
+				hdrs = append(hdrs, "content-length", tc.cl)
+			}
+			s.send(reqHeaders("/v1/chat/completions", false, hdrs...))
+			ans := s.recv(t)
+			if !tc.atHead {
+				require.NotNil(t, ans.GetRequestHeaders(), "%v", ans)
+				s.send(reqBody(tc.body, true))
+				ans = s.recv(t)
+			}
+			if tc.ok {
+				require.NotNil(t, ans.GetRequestBody(), "%v", ans)
+				f.request(t)
+				return
+			}
+			assert.Equal(t, "Request body exceeds the maximum payload size of 64 bytes", requireAPIError(t, ans, 413, "payload_too_large"))
+			require.NoError(t, s.end())
+			assert.Zero(t, f.hits.Load())
 		})
 	}
 }
@@ -895,6 +1004,7 @@ func runOne(e *env, i int) (res struct {
 	err  error
 }) {
 	s := openSession(e.srv)
+	s.timeout = 15 * time.Second // 200 streams under -race on a small, busy machine
 	defer func() {
 		if err := s.end(); err != nil && res.err == nil {
 			res.err = err
@@ -904,7 +1014,7 @@ func runOne(e *env, i int) (res struct {
 	s.send(reqHeaders("/v1/chat/completions", false, stdHeaders...))
 	ans, err := s.next()
 	if err != nil {
-		res.err = err
+		res.err = fmt.Errorf("request headers: %w", err)
 		return res
 	}
 	if ans.GetRequestHeaders() == nil {
@@ -913,7 +1023,7 @@ func runOne(e *env, i int) (res struct {
 	}
 	s.send(reqBody(fmt.Sprintf(`{"messages":[{"role":"user","content":"req %d"}],"stream":%v}`, i, stream), true))
 	if ans, err = s.next(); err != nil {
-		res.err = err
+		res.err = fmt.Errorf("request body: %w", err)
 		return res
 	}
 	b := ans.GetRequestBody().GetResponse().GetBodyMutation().GetBody()
@@ -925,7 +1035,7 @@ func runOne(e *env, i int) (res struct {
 	res.room, res.dest = string(m["bootstrap_room"]), destination(ans)
 	s.send(respHeaders(200, false))
 	if ans, err = s.next(); err != nil {
-		res.err = err
+		res.err = fmt.Errorf("response headers (stream=%v): %w", stream, err)
 		return res
 	}
 	hs := setHeaders(ans.GetResponseHeaders().GetResponse().GetHeaderMutation())
