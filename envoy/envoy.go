@@ -30,6 +30,8 @@ type Params struct {
 	// well inside it (it enforces the request timeout itself).
 	MessageTimeoutSecs int
 	PDRoutes           []string
+	// MaxRedirects is the number of retries after the first attempt (0: none).
+	MaxRedirects int
 }
 
 // ControlConnectHost is where Envoy dials the Go servers: a wildcard listen

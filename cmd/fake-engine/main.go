@@ -3,6 +3,8 @@
 //
 //	fake-engine sglang --mode prefill --http-port 31000 --bootstrap-port 8998
 //	fake-engine sglang --mode decode  --http-port 31001
+//	fake-engine vllm --role producer --connector nixl --http-port 8100 --side-channel-port 5600
+//	fake-engine vllm --role consumer --connector nixl --http-port 8200
 //
 // Each engine kind is a subcommand with its own flags (fake-engine <kind> -h).
 package main
@@ -24,11 +26,11 @@ type command struct {
 	run     func(ctx context.Context, args []string, stdout, stderr io.Writer) error
 }
 
-// commands lists the engine kinds. A future "vllm" subcommand (pkg/fake/vllm)
-// is added here.
+// commands lists the engine kinds.
 func commands() []command {
 	return []command{
 		{name: "sglang", summary: "fake SGLang worker (prefill, decode or null mode)", run: runSGLang},
+		{name: "vllm", summary: "fake vLLM worker (kv role producer/consumer/both; connector nixl, mooncake, moriio or none)", run: runVLLM},
 	}
 }
 

@@ -135,8 +135,13 @@ func renderBootstrap(cfg *config.Config, extprocPort, adminPort int) ([]byte, er
 	for _, r := range pd.Routes() {
 		routes = append(routes, r.ClientPath)
 	}
+	redirects := 0
+	if !cfg.DisableRetries && cfg.RetryMaxRetries > 1 {
+		redirects = cfg.RetryMaxRetries - 1
+	}
 	return envoycfg.Render(envoycfg.Params{
-		NodeID: cfg.NodeID, Host: cfg.Host, Port: cfg.Port, EnvoyAdminPort: cfg.EnvoyAdminPort,
+		MaxRedirects: redirects,
+		NodeID:       cfg.NodeID, Host: cfg.Host, Port: cfg.Port, EnvoyAdminPort: cfg.EnvoyAdminPort,
 		ControlHost: cfg.ControlHost, ExtProcPort: extprocPort, AdminPort: adminPort,
 		MaxPayloadSize: cfg.MaxPayloadSize, RequestTimeoutSecs: cfg.RequestTimeoutSecs,
 		RouteTimeoutSecs: cfg.RequestTimeoutSecs + 2, MessageTimeoutSecs: cfg.RequestTimeoutSecs + 30, PDRoutes: routes,
@@ -220,21 +225,42 @@ func run(withEnvoy bool, cfg config.Config, file *config.File) error {
 	}
 
 	pp, dp := cfg.EffectivePolicies()
-	mk := func(leg, name string) (policy.Policy, error) {
-		p, impl, err := policy.New(name)
+	popts := policy.DefaultOptions()
+	popts.CacheThreshold, popts.BalanceAbsThreshold, popts.BalanceRelThreshold = cfg.CacheThreshold, int64(cfg.BalanceAbsThreshold), cfg.BalanceRelThreshold
+	popts.EvictionInterval, popts.MaxTreeSize, popts.BlockSize = time.Duration(cfg.EvictionIntervalSecs)*time.Second, cfg.MaxTreeSize, cfg.BlockSize
+	popts.PrefixTokenCount, popts.LoadFactor, popts.PrefixHashBalanceAbsThreshold = cfg.PrefixTokenCount, cfg.PrefixHashLoadFactor, int64(cfg.PrefixHashBalanceAbsThreshold)
+	popts.LeastLoadKVPressureWeight, popts.LeastLoadDefaultThroughput = cfg.LeastLoadKVPressureWeight, cfg.LeastLoadDefaultThroughput
+	popts.LeastLoadMeanPrefillTokens, popts.LeastLoadMaxWaitingReqs = cfg.LeastLoadMeanPrefillTokens, cfg.LeastLoadMaxWaitingRequests
+	popts.AssignmentMode, popts.MaxIdle = cfg.AssignmentMode, time.Duration(cfg.MaxIdleSecs)*time.Second
+	popts.LoadMonitorInterval = time.Duration(cfg.LoadMonitorIntervalSecs) * time.Second
+	var pdeps policy.Deps
+	if policy.NeedsEngineLoads(pp) || policy.NeedsEngineLoads(dp) {
+		lm := policy.NewEngineLoadMonitor(client, popts.LoadMonitorInterval)
+		go lm.Run(ctx, reg.Snapshot)
+		pdeps.Loads = lm
+	}
+	// SMG refuses power_of_two on a leg with fewer than two startup workers.
+	if pp == "power_of_two" && len(cfg.Prefills) < 2 && file == nil {
+		return fmt.Errorf("--prefill-policy power_of_two needs at least two prefill workers")
+	}
+	if dp == "power_of_two" && len(cfg.Decodes) < 2 && file == nil {
+		return fmt.Errorf("--decode-policy power_of_two needs at least two decode workers")
+	}
+	mk := func(leg policy.Leg, name string) (policy.Policy, error) {
+		p, err := policy.Build(name, leg, popts, pdeps)
 		if err != nil {
 			return nil, err
 		}
-		if !impl {
-			log.Warn().Str("leg", leg).Str("policy", name).Msg("policy not implemented yet; using round_robin")
+		if r, ok := p.(policy.Runner); ok {
+			r.Start(ctx)
 		}
 		return p, nil
 	}
-	prefillPolicy, err := mk("prefill", pp)
+	prefillPolicy, err := mk(policy.LegPrefill, pp)
 	if err != nil {
 		return err
 	}
-	decodePolicy, err := mk("decode", dp)
+	decodePolicy, err := mk(policy.LegDecode, dp)
 	if err != nil {
 		return err
 	}
@@ -264,7 +290,15 @@ func run(withEnvoy bool, cfg config.Config, file *config.File) error {
 		}
 	}()
 
-	xdsSrv, err := xds.New(ctx, log.With().Str("component", "xds").Logger())
+	retry := fleet.RetryConfig{
+		MaxRetries: cfg.RetryMaxRetries, InitialBackoff: time.Duration(cfg.RetryInitialBackoffMS) * time.Millisecond,
+		MaxBackoff: time.Duration(cfg.RetryMaxBackoffMS) * time.Millisecond, Multiplier: cfg.RetryBackoffMultiplier,
+		Jitter: cfg.RetryJitterFactor, Disabled: cfg.DisableRetries || cfg.RetryMaxRetries <= 1,
+	}
+	xdsSrv, err := xds.New(ctx, log.With().Str("component", "xds").Logger(), func(s *xds.Server) {
+		s.PerTry = !retry.Disabled
+		s.PerTryTimeout = retry.MaxBackoff*2 + 30*time.Second
+	})
 	if err != nil {
 		return err
 	}
@@ -272,6 +306,7 @@ func run(withEnvoy bool, cfg config.Config, file *config.File) error {
 		Log: log.With().Str("component", "extproc").Logger(), Registry: reg,
 		Selector: sel,
 		Client:   client, Metrics: m, RequestTimeout: cfg.RequestTimeout(), MaxPayloadSize: cfg.MaxPayloadSize,
+		Retry: retry, FleetMetrics: fm,
 	})
 	maxMsg := int(cfg.MaxPayloadSize) + 1<<20
 	if cfg.MaxPayloadSize > 1<<31-1<<21 {
@@ -319,6 +354,7 @@ func run(withEnvoy bool, cfg config.Config, file *config.File) error {
 		go func() { errc <- promSrv.Serve(pl) }()
 	}
 	go xdsSrv.Run(ctx, reg)
+	go proc.Run(ctx)
 
 	extprocPort := gl.Addr().(*net.TCPAddr).Port
 	adminPort := al.Addr().(*net.TCPAddr).Port

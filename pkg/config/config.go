@@ -60,6 +60,24 @@ type Config struct {
 	PDPairingMode           string
 	ConfigFile              string
 
+	// Policy tuning (both legs), SMG's flags.
+	CacheThreshold                float64
+	BalanceAbsThreshold           int
+	BalanceRelThreshold           float64
+	EvictionIntervalSecs          int
+	MaxTreeSize                   int
+	BlockSize                     int
+	PrefixTokenCount              int
+	PrefixHashLoadFactor          float64
+	PrefixHashBalanceAbsThreshold int
+	LeastLoadKVPressureWeight     float64
+	LeastLoadDefaultThroughput    float64
+	LeastLoadMeanPrefillTokens    int
+	LeastLoadMaxWaitingRequests   int
+	AssignmentMode                string
+	MaxIdleSecs                   int
+	LoadMonitorIntervalSecs       int
+
 	// Envoy / control-plane wiring (ours, not SMG's).
 	EnvoyPath        string
 	EnvoyAdminPort   int
@@ -100,12 +118,16 @@ func Defaults() Config {
 		RetryBackoffMultiplier:  1.5,
 		RetryJitterFactor:       0.2,
 		PDPairingMode:           "lenient",
-		EnvoyLogLevel:           "warning",
-		ControlHost:             "127.0.0.1",
-		ExtProcPort:             18001,
-		AdminPort:               18002,
-		EnvoyAdminPort:          0,
-		NodeID:                  "smg-envoy",
+		CacheThreshold:          0.3, BalanceAbsThreshold: 64, BalanceRelThreshold: 1.5, EvictionIntervalSecs: 120,
+		MaxTreeSize: 67108864, BlockSize: 16, PrefixTokenCount: 256, PrefixHashLoadFactor: 1.25,
+		PrefixHashBalanceAbsThreshold: 10, LeastLoadKVPressureWeight: 0.15, LeastLoadDefaultThroughput: 2000,
+		LeastLoadMeanPrefillTokens: 1024, AssignmentMode: "random", MaxIdleSecs: 14400, LoadMonitorIntervalSecs: 10,
+		EnvoyLogLevel:  "warning",
+		ControlHost:    "127.0.0.1",
+		ExtProcPort:    18001,
+		AdminPort:      18002,
+		EnvoyAdminPort: 0,
+		NodeID:         "smg-envoy",
 	}
 }
 
@@ -148,60 +170,70 @@ type spec struct {
 
 func (c *Config) table() map[string]spec {
 	return map[string]spec{
-		"pd-disaggregation":          {kBool, &c.PDDisaggregation, "enable PD mode"},
-		"prefill":                    {kPrefill, &c.Prefills, "prefill worker: URL [BOOTSTRAP_PORT|none] (repeatable)"},
-		"decode":                     {kStrings, &c.Decodes, "decode worker URL (repeatable)"},
-		"host":                       {kString, &c.Host, "client-facing listen address (Envoy)"},
-		"port":                       {kInt, &c.Port, "client-facing port (Envoy)"},
-		"policy":                     {kString, &c.Policy, "default routing policy for both legs"},
-		"prefill-policy":             {kString, &c.PrefillPolicy, "prefill leg policy"},
-		"decode-policy":              {kString, &c.DecodePolicy, "decode leg policy"},
-		"prometheus-host":            {kString, &c.PrometheusHost, "metrics listen address"},
-		"prometheus-port":            {kInt, &c.PrometheusPort, "metrics port"},
-		"log-level":                  {kString, &c.LogLevel, "debug|info|warn|error"},
-		"request-timeout-secs":       {kInt, &c.RequestTimeoutSecs, "whole-request timeout"},
-		"max-payload-size":           {kInt64, &c.MaxPayloadSize, "largest accepted request body (bytes)"},
-		"api-key":                    {kString, &c.APIKey, "admin API key for the worker API"},
-		"health-check-interval-secs": {kInt, &c.HealthCheckIntervalSecs, ""},
-		"health-check-timeout-secs":  {kInt, &c.HealthCheckTimeoutSecs, ""},
-		"health-failure-threshold":   {kInt, &c.HealthFailureThreshold, ""},
-		"health-success-threshold":   {kInt, &c.HealthSuccessThreshold, ""},
-		"health-check-endpoint":      {kString, &c.HealthCheckEndpoint, ""},
-		"disable-health-check":       {kBool, &c.DisableHealthCheck, ""},
-		"cb-failure-threshold":       {kInt, &c.CBFailureThreshold, ""},
-		"cb-success-threshold":       {kInt, &c.CBSuccessThreshold, ""},
-		"cb-timeout-duration-secs":   {kInt, &c.CBTimeoutDurationSecs, ""},
-		"cb-window-duration-secs":    {kInt, &c.CBWindowDurationSecs, ""},
-		"disable-circuit-breaker":    {kBool, &c.DisableCircuitBreaker, ""},
-		"retry-max-retries":          {kInt, &c.RetryMaxRetries, ""},
-		"retry-initial-backoff-ms":   {kInt, &c.RetryInitialBackoffMS, ""},
-		"retry-max-backoff-ms":       {kInt, &c.RetryMaxBackoffMS, ""},
-		"retry-backoff-multiplier":   {kFloat, &c.RetryBackoffMultiplier, ""},
-		"retry-jitter-factor":        {kFloat, &c.RetryJitterFactor, ""},
-		"disable-retries":            {kBool, &c.DisableRetries, ""},
-		"pd-pairing-mode":            {kString, &c.PDPairingMode, "off|lenient|strict"},
-		"config":                     {kString, &c.ConfigFile, "YAML config file"},
-		"envoy-path":                 {kString, &c.EnvoyPath, "Envoy binary (else $ENVOY_BIN, PATH, ./.venv)"},
-		"envoy-admin-port":           {kInt, &c.EnvoyAdminPort, "Envoy admin port on 127.0.0.1 (0 = ephemeral)"},
-		"envoy-concurrency":          {kInt, &c.EnvoyConcurrency, "Envoy worker threads (0 = Envoy's default)"},
-		"envoy-log-level":            {kString, &c.EnvoyLogLevel, "Envoy log level"},
-		"control-host":               {kString, &c.ControlHost, "listen address of the ext_proc/xDS and admin servers"},
-		"extproc-port":               {kInt, &c.ExtProcPort, "ext_proc + ADS gRPC port"},
-		"admin-port":                 {kInt, &c.AdminPort, "internal admin HTTP port Envoy forwards /workers and probes to"},
-		"node-id":                    {kString, &c.NodeID, "Envoy node id"},
+		"pd-disaggregation":                 {kBool, &c.PDDisaggregation, "enable PD mode"},
+		"prefill":                           {kPrefill, &c.Prefills, "prefill worker: URL [BOOTSTRAP_PORT|none] (repeatable)"},
+		"decode":                            {kStrings, &c.Decodes, "decode worker URL (repeatable)"},
+		"host":                              {kString, &c.Host, "client-facing listen address (Envoy)"},
+		"port":                              {kInt, &c.Port, "client-facing port (Envoy)"},
+		"policy":                            {kString, &c.Policy, "default routing policy for both legs"},
+		"prefill-policy":                    {kString, &c.PrefillPolicy, "prefill leg policy"},
+		"decode-policy":                     {kString, &c.DecodePolicy, "decode leg policy"},
+		"prometheus-host":                   {kString, &c.PrometheusHost, "metrics listen address"},
+		"prometheus-port":                   {kInt, &c.PrometheusPort, "metrics port"},
+		"log-level":                         {kString, &c.LogLevel, "debug|info|warn|error"},
+		"request-timeout-secs":              {kInt, &c.RequestTimeoutSecs, "whole-request timeout"},
+		"max-payload-size":                  {kInt64, &c.MaxPayloadSize, "largest accepted request body (bytes)"},
+		"api-key":                           {kString, &c.APIKey, "admin API key for the worker API"},
+		"health-check-interval-secs":        {kInt, &c.HealthCheckIntervalSecs, ""},
+		"health-check-timeout-secs":         {kInt, &c.HealthCheckTimeoutSecs, ""},
+		"health-failure-threshold":          {kInt, &c.HealthFailureThreshold, ""},
+		"health-success-threshold":          {kInt, &c.HealthSuccessThreshold, ""},
+		"health-check-endpoint":             {kString, &c.HealthCheckEndpoint, ""},
+		"disable-health-check":              {kBool, &c.DisableHealthCheck, ""},
+		"cb-failure-threshold":              {kInt, &c.CBFailureThreshold, ""},
+		"cb-success-threshold":              {kInt, &c.CBSuccessThreshold, ""},
+		"cb-timeout-duration-secs":          {kInt, &c.CBTimeoutDurationSecs, ""},
+		"cb-window-duration-secs":           {kInt, &c.CBWindowDurationSecs, ""},
+		"disable-circuit-breaker":           {kBool, &c.DisableCircuitBreaker, ""},
+		"retry-max-retries":                 {kInt, &c.RetryMaxRetries, ""},
+		"retry-initial-backoff-ms":          {kInt, &c.RetryInitialBackoffMS, ""},
+		"retry-max-backoff-ms":              {kInt, &c.RetryMaxBackoffMS, ""},
+		"retry-backoff-multiplier":          {kFloat, &c.RetryBackoffMultiplier, ""},
+		"retry-jitter-factor":               {kFloat, &c.RetryJitterFactor, ""},
+		"disable-retries":                   {kBool, &c.DisableRetries, ""},
+		"pd-pairing-mode":                   {kString, &c.PDPairingMode, "off|lenient|strict"},
+		"config":                            {kString, &c.ConfigFile, "YAML config file"},
+		"envoy-path":                        {kString, &c.EnvoyPath, "Envoy binary (else $ENVOY_BIN, PATH, ./.venv)"},
+		"envoy-admin-port":                  {kInt, &c.EnvoyAdminPort, "Envoy admin port on 127.0.0.1 (0 = ephemeral)"},
+		"envoy-concurrency":                 {kInt, &c.EnvoyConcurrency, "Envoy worker threads (0 = Envoy's default)"},
+		"envoy-log-level":                   {kString, &c.EnvoyLogLevel, "Envoy log level"},
+		"control-host":                      {kString, &c.ControlHost, "listen address of the ext_proc/xDS and admin servers"},
+		"extproc-port":                      {kInt, &c.ExtProcPort, "ext_proc + ADS gRPC port"},
+		"admin-port":                        {kInt, &c.AdminPort, "internal admin HTTP port Envoy forwards /workers and probes to"},
+		"node-id":                           {kString, &c.NodeID, "Envoy node id"},
+		"cache-threshold":                   {kFloat, &c.CacheThreshold, "cache_aware match threshold"},
+		"balance-abs-threshold":             {kInt, &c.BalanceAbsThreshold, "load imbalance threshold (absolute)"},
+		"balance-rel-threshold":             {kFloat, &c.BalanceRelThreshold, "load imbalance threshold (relative)"},
+		"eviction-interval":                 {kInt, &c.EvictionIntervalSecs, "cache_aware eviction interval (s)"},
+		"max-tree-size":                     {kInt, &c.MaxTreeSize, "cache_aware tree size bound"},
+		"block-size":                        {kInt, &c.BlockSize, ""},
+		"prefix-token-count":                {kInt, &c.PrefixTokenCount, "prefix_hash prefix length (tokens)"},
+		"prefix-hash-load-factor":           {kFloat, &c.PrefixHashLoadFactor, ""},
+		"prefix-hash-balance-abs-threshold": {kInt, &c.PrefixHashBalanceAbsThreshold, ""},
+		"least-load-kv-pressure-weight":     {kFloat, &c.LeastLoadKVPressureWeight, ""},
+		"least-load-default-throughput":     {kFloat, &c.LeastLoadDefaultThroughput, ""},
+		"least-load-mean-prefill-tokens":    {kInt, &c.LeastLoadMeanPrefillTokens, ""},
+		"least-load-max-waiting-requests":   {kInt, &c.LeastLoadMaxWaitingRequests, ""},
+		"assignment-mode":                   {kString, &c.AssignmentMode, "manual policy: random|min_load|min_group"},
+		"max-idle-secs":                     {kInt, &c.MaxIdleSecs, "manual policy key idle eviction"},
+		"load-monitor-interval":             {kInt, &c.LoadMonitorIntervalSecs, "engine load polling interval (s)"},
 		// SMG flags accepted for compatibility; later work gives them meaning.
 		"model-path":                    {kIgnoreValue, nil, ""},
 		"tokenizer-path":                {kIgnoreValue, nil, ""},
 		"dp-aware":                      {kIgnoreBool, nil, ""},
 		"enable-igw":                    {kIgnoreBool, nil, ""},
-		"cache-threshold":               {kIgnoreValue, nil, ""},
-		"balance-abs-threshold":         {kIgnoreValue, nil, ""},
-		"balance-rel-threshold":         {kIgnoreValue, nil, ""},
-		"eviction-interval":             {kIgnoreValue, nil, ""},
-		"max-tree-size":                 {kIgnoreValue, nil, ""},
 		"worker-startup-timeout-secs":   {kIgnoreValue, nil, ""},
 		"worker-startup-check-interval": {kIgnoreValue, nil, ""},
-		"load-monitor-interval":         {kIgnoreValue, nil, ""},
 		"pd-admission-wait-secs":        {kIgnoreValue, nil, ""},
 		"remove-unhealthy-workers":      {kIgnoreBool, nil, ""},
 		"log-dir":                       {kIgnoreValue, nil, ""},

@@ -71,6 +71,8 @@ type exchange struct {
 	model        string
 	committed    bool
 	prefillLP    []byte // prefill input_token_logprobs for a streamed merge
+	attemptKey   string
+	attempt      *attemptState // nil when retries are off
 }
 
 func newExchange(s *Server, ctx context.Context, stream extprocv3.ExternalProcessor_ProcessServer) *exchange {
@@ -83,6 +85,14 @@ func (x *exchange) prefillWatch() <-chan struct{} { return x.watchPrefill }
 func (x *exchange) finish() {
 	if x.prefill != nil && !x.committed {
 		x.prefill.abort()
+	}
+	if x.attempt != nil {
+		x.attempt.mu.Lock()
+		keep := x.attempt.redirected // the next attempt takes it over
+		x.attempt.mu.Unlock()
+		if !keep {
+			x.s.attempts.del(x.attemptKey)
+		}
 	}
 	for _, r := range x.releases {
 		r()
@@ -120,6 +130,7 @@ func (x *exchange) onRequestHeaders(h *extprocv3.HttpHeaders) error {
 	}
 	path := x.reqHdr[":path"]
 	if i := strings.IndexByte(path, '?'); i >= 0 {
+		x.resumeAttempt(path[i+1:])
 		path = path[:i]
 	}
 	route, ok := pd.LookupRoute(path)
@@ -144,6 +155,25 @@ func (x *exchange) onRequestHeaders(h *extprocv3.HttpHeaders) error {
 	}})
 }
 
+// resumeAttempt links a redirected request to its earlier attempts. Only keys
+// the gateway minted resolve, so a client-sent parameter changes nothing.
+func (x *exchange) resumeAttempt(query string) {
+	for _, kv := range strings.Split(query, "&") {
+		k, v, _ := strings.Cut(kv, "=")
+		if k != attemptParam {
+			continue
+		}
+		if st := x.s.attempts.get(v); st != nil {
+			st.mu.Lock()
+			st.redirected = false
+			st.recorded = false
+			st.mu.Unlock()
+			x.attempt, x.attemptKey = st, v
+		}
+		return
+	}
+}
+
 func tooLarge(limit int64) *apierr.Error {
 	return apierr.Newf(413, apierr.CodePayloadTooLarge, "Request body exceeds the maximum payload size of %d bytes", limit)
 }
@@ -154,7 +184,8 @@ func (x *exchange) getHdr(name string) string { return x.reqHdr[name] }
 func (x *exchange) allowlistMutation() *extprocv3.HeaderMutation {
 	var rm []string
 	for k := range x.reqHdr {
-		if strings.HasPrefix(k, ":") || k == "host" || k == "content-length" || k == "transfer-encoding" || pd.ForwardHeader(k) {
+		// x-forwarded-proto is Envoy's own and its internal redirects (retries) need it.
+		if strings.HasPrefix(k, ":") || k == "host" || k == "content-length" || k == "transfer-encoding" || k == "x-forwarded-proto" || pd.ForwardHeader(k) {
 			continue
 		}
 		rm = append(rm, k)
@@ -198,7 +229,9 @@ func (x *exchange) onRequestBody(b *extprocv3.HttpBody) error {
 		x.model = "unknown"
 	}
 	d.Metrics.RouterRequests.WithLabelValues("http", "pd", "http", x.model, x.route.Endpoint, strconv.FormatBool(req.Stream)).Inc()
-	preq := policy.Request{Text: req.Text, RoutingKey: x.reqHdr["x-smg-routing-key"]}
+	preq := policy.Request{Text: req.Text, RoutingKey: x.reqHdr["x-smg-routing-key"],
+		TargetWorker: x.reqHdr["x-smg-target-worker"], Authorization: x.reqHdr["authorization"],
+		ForwardedFor: x.reqHdr["x-forwarded-for"], Cookie: x.reqHdr["cookie"], Model: req.Model}
 	// The pair index follows membership; Sync is one pointer compare when nothing changed.
 	d.Selector.Sync(d.Registry.Snapshot)
 	if x.route.PrefillOnly {
@@ -251,7 +284,21 @@ func (x *exchange) onRequestBody(b *extprocv3.HttpBody) error {
 	x.watchPrefill = x.prefill.head
 	x.phase = phaseDecodeWait
 
-	md, err := structpb.NewStruct(map[string]any{xds.MetadataNamespace: map[string]any{xds.MetadataKey: pair.Decode.Addr}})
+	mdv := map[string]any{xds.MetadataNamespace: map[string]any{xds.MetadataKey: pair.Decode.Addr}}
+	if !d.Retry.Disabled {
+		if x.attempt == nil {
+			x.attemptKey = newAttemptKey()
+			x.attempt = &attemptState{authority: x.reqHdr[":authority"], path: x.route.ClientPath}
+			x.s.attempts.put(x.attemptKey, x.attempt)
+		}
+		x.attempt.mu.Lock()
+		x.attempt.attempts++
+		x.attempt.decode = pair.Decode
+		x.attempt.expires = time.Now().Add(2*d.RequestTimeout + time.Minute)
+		x.attempt.mu.Unlock()
+		mdv[MetadataNamespace] = map[string]any{mdAttemptKey: x.attemptKey}
+	}
+	md, err := structpb.NewStruct(mdv)
 	if err != nil {
 		return x.reject(apierr.Wrap(err, 500, apierr.CodeInternal, "metadata encoding failed"))
 	}
@@ -313,10 +360,18 @@ func (x *exchange) onResponseHeaders(h *extprocv3.HttpHeaders) error {
 		}
 	}
 	x.decodeStatus = st
+	recorded := false
+	if x.attempt != nil {
+		x.attempt.mu.Lock()
+		recorded = x.attempt.recorded
+		x.attempt.mu.Unlock()
+	}
 	if envoyReply {
 		// Envoy answered itself (decode unreachable, timed out, ...), already
 		// in SMG's error format: count a failed decode leg, drop the prefill.
-		x.pair.Decode.Record(st, true)
+		if !recorded {
+			x.pair.Decode.Record(st, true)
+		}
 		x.phase = phaseDone
 		x.prefill.abort()
 		x.countError(st)
@@ -327,7 +382,9 @@ func (x *exchange) onResponseHeaders(h *extprocv3.HttpHeaders) error {
 			}},
 		}}})
 	}
-	x.pair.Decode.Record(st, false)
+	if !recorded { // the per-try processor records each try itself
+		x.pair.Decode.Record(st, false)
+	}
 	d := x.s.d
 	if st < 200 || st > 299 {
 		// Decode errors win over prefill errors (SMG order). Buffer the body to rewrite it.

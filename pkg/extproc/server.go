@@ -3,6 +3,7 @@
 package extproc
 
 import (
+	"context"
 	"errors"
 	"io"
 	"net/http"
@@ -12,8 +13,10 @@ import (
 	"github.com/rs/zerolog"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 
+	"github.com/smg-project/smg-extproc/pkg/fleet"
 	"github.com/smg-project/smg-extproc/pkg/metrics"
 	"github.com/smg-project/smg-extproc/pkg/pairing"
 	"github.com/smg-project/smg-extproc/pkg/workers"
@@ -30,16 +33,34 @@ type Deps struct {
 	// MaxPayloadSize is checked here as well as by Envoy's buffer limit, which
 	// may round up to the connection's buffer size.
 	MaxPayloadSize int64
+	// Retry drives whole-attempt retries through the per-try processor.
+	Retry        fleet.RetryConfig
+	FleetMetrics *fleet.Metrics
 }
 
 // Server implements envoy.service.ext_proc.v3.ExternalProcessor.
 type Server struct {
 	extprocv3.UnimplementedExternalProcessorServer
-	d Deps
+	d        Deps
+	attempts *attemptTable
 }
 
 // New returns a processor.
-func New(d Deps) *Server { return &Server{d: d} }
+func New(d Deps) *Server { return &Server{d: d, attempts: newAttemptTable()} }
+
+// Run sweeps abandoned retry state until ctx ends.
+func (s *Server) Run(ctx context.Context) {
+	t := time.NewTicker(30 * time.Second)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case now := <-t.C:
+			s.attempts.sweep(now)
+		}
+	}
+}
 
 // Register adds the service to g.
 func (s *Server) Register(g *grpc.Server) { extprocv3.RegisterExternalProcessorServer(g, s) }
@@ -47,6 +68,9 @@ func (s *Server) Register(g *grpc.Server) { extprocv3.RegisterExternalProcessorS
 // Process runs one request's exchange.
 func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) error {
 	ctx := stream.Context()
+	if md, ok := metadata.FromIncomingContext(ctx); ok && isPerTry(md) {
+		return s.processPerTry(stream)
+	}
 	x := newExchange(s, ctx, stream)
 	defer x.finish()
 

@@ -176,7 +176,9 @@ func (s *Selector) SelectPair(req policy.Request) (Pair, *apierr.Error) {
 	var sc *scratch // taken only when some worker must be filtered out
 	var pi int
 	if firstOut < 0 {
-		pi = s.Prefill.Pick(ix.prefill, req)
+		if pi = s.Prefill.Pick(ix.prefill, req); pi < 0 {
+			return Pair{}, apierr.New(503, apierr.CodeNoAvailableWorkers, msgPrefillDown)
+		}
 	} else {
 		sc = s.getScratch()
 		for i, p := range ix.prefill {
@@ -191,7 +193,12 @@ func (s *Selector) SelectPair(req policy.Request) (Pair, *apierr.Error) {
 			s.putScratch(sc)
 			return Pair{}, apierr.New(503, apierr.CodeNoAvailableWorkers, msgPrefillDown)
 		}
-		pi = sc.pos[s.Prefill.Pick(sc.prefill, req)]
+		k := s.Prefill.Pick(sc.prefill, req)
+		if k < 0 { // the policy declined (e.g. x-smg-target-worker unavailable)
+			s.putScratch(sc)
+			return Pair{}, apierr.New(503, apierr.CodeNoAvailableWorkers, msgPrefillDown)
+		}
+		pi = sc.pos[k]
 	}
 
 	cands := ix.partners[pi]
@@ -212,8 +219,10 @@ func (s *Selector) SelectPair(req policy.Request) (Pair, *apierr.Error) {
 	if len(cands) == 0 {
 		// Its last partner went down between the two reads.
 		aerr = apierr.New(503, apierr.CodeNoAvailableWorkers, msgDecodeDown)
+	} else if k := s.Decode.Pick(cands, req); k < 0 {
+		aerr = apierr.New(503, apierr.CodeNoAvailableWorkers, msgDecodeDown)
 	} else {
-		pair = Pair{Prefill: ix.prefill[pi], Decode: cands[s.Decode.Pick(cands, req)]}
+		pair = Pair{Prefill: ix.prefill[pi], Decode: cands[k]}
 	}
 	if sc != nil {
 		s.putScratch(sc)
@@ -254,7 +263,10 @@ func (s *Selector) SelectPrefill(req policy.Request) (*workers.Worker, *apierr.E
 		}
 	}
 	if all && len(ix.prefillPool) > 0 {
-		return ix.prefillPool[s.Prefill.Pick(ix.prefillPool, req)], nil
+		if k := s.Prefill.Pick(ix.prefillPool, req); k >= 0 {
+			return ix.prefillPool[k], nil
+		}
+		return nil, apierr.New(503, apierr.CodeNoPrefillServers, "No available prefill servers to count tokens")
 	}
 	sc := s.getScratch()
 	defer s.putScratch(sc)
@@ -266,5 +278,9 @@ func (s *Selector) SelectPrefill(req policy.Request) (*workers.Worker, *apierr.E
 	if len(sc.prefill) == 0 {
 		return nil, apierr.New(503, apierr.CodeNoPrefillServers, "No available prefill servers to count tokens")
 	}
-	return sc.prefill[s.Prefill.Pick(sc.prefill, req)], nil
+	k := s.Prefill.Pick(sc.prefill, req)
+	if k < 0 {
+		return nil, apierr.New(503, apierr.CodeNoPrefillServers, "No available prefill servers to count tokens")
+	}
+	return sc.prefill[k], nil
 }

@@ -15,6 +15,9 @@ import (
 	clusterv3 "github.com/envoyproxy/go-control-plane/envoy/config/cluster/v3"
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	endpointv3 "github.com/envoyproxy/go-control-plane/envoy/config/endpoint/v3"
+	extprocfilterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
+	upstreamcodecv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/upstream_codec/v3"
+	hcmv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/network/http_connection_manager/v3"
 	overridehostv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/load_balancing_policies/override_host/v3"
 	roundrobinv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/load_balancing_policies/round_robin/v3"
 	httpv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/upstreams/http/v3"
@@ -54,6 +57,11 @@ type Server struct {
 	version atomic.Uint64
 	// ConnectTimeout for decode connections.
 	ConnectTimeout time.Duration
+	// PerTry installs the per-try processor (an upstream ext_proc on the
+	// decode cluster, served by ProcessorCluster) that drives retries.
+	PerTry           bool
+	ProcessorCluster string
+	PerTryTimeout    time.Duration
 }
 
 // anyNode serves one snapshot to every Envoy, so replicas need no shared node id.
@@ -69,8 +77,11 @@ func (c cacheLogger) Warnf(f string, a ...any)  { c.l.Warn().Msgf(f, a...) }
 func (c cacheLogger) Errorf(f string, a ...any) { c.l.Error().Msgf(f, a...) }
 
 // New returns a server with an empty decode cluster published.
-func New(ctx context.Context, log zerolog.Logger) (*Server, error) {
-	s := &Server{log: log, ConnectTimeout: 10 * time.Second}
+func New(ctx context.Context, log zerolog.Logger, opts ...func(*Server)) (*Server, error) {
+	s := &Server{log: log, ConnectTimeout: 10 * time.Second, ProcessorCluster: "smg_extproc", PerTryTimeout: time.Minute}
+	for _, o := range opts {
+		o(s)
+	}
 	s.cache = cachev3.NewSnapshotCache(true, anyNode{}, cacheLogger{log})
 	s.ads = serverv3.NewServer(ctx, s.cache, serverv3.CallbackFuncs{
 		StreamOpenFunc: func(_ context.Context, id int64, typ string) error {
@@ -157,12 +168,20 @@ func (s *Server) decodeCluster() (*clusterv3.Cluster, error) {
 	if err != nil {
 		return nil, fmt.Errorf("override_host policy: %w", err)
 	}
-	proto, err := anypb.New(&httpv3.HttpProtocolOptions{
+	opts := &httpv3.HttpProtocolOptions{
 		UpstreamProtocolOptions: &httpv3.HttpProtocolOptions_ExplicitHttpConfig_{ExplicitHttpConfig: &httpv3.HttpProtocolOptions_ExplicitHttpConfig{
 			ProtocolConfig: &httpv3.HttpProtocolOptions_ExplicitHttpConfig_HttpProtocolOptions{HttpProtocolOptions: &corev3.Http1ProtocolOptions{}},
 		}},
 		CommonHttpProtocolOptions: &corev3.HttpProtocolOptions{IdleTimeout: durationpb.New(50 * time.Second)},
-	})
+	}
+	if s.PerTry {
+		filters, err := s.perTryFilters()
+		if err != nil {
+			return nil, err
+		}
+		opts.HttpFilters = filters
+	}
+	proto, err := anypb.New(opts)
 	if err != nil {
 		return nil, fmt.Errorf("protocol options: %w", err)
 	}
@@ -186,6 +205,43 @@ func (s *Server) decodeCluster() (*clusterv3.Cluster, error) {
 			MaxRequests:        wrapperspb.UInt32(many),
 			MaxRetries:         wrapperspb.UInt32(many),
 		}}},
+	}, nil
+}
+
+// perTryFilters is the decode cluster's upstream filter chain: the per-try
+// processor sees each try's response head (only), then the codec.
+func (s *Server) perTryFilters() ([]*hcmv3.HttpFilter, error) {
+	ep, err := anypb.New(&extprocfilterv3.ExternalProcessor{
+		GrpcService: &corev3.GrpcService{
+			TargetSpecifier: &corev3.GrpcService_EnvoyGrpc_{EnvoyGrpc: &corev3.GrpcService_EnvoyGrpc{ClusterName: s.ProcessorCluster}},
+			InitialMetadata: []*corev3.HeaderValue{{Key: "x-smg-role", Value: "per-try"}},
+		},
+		// Failing open here only loses a retry; the request itself is sound.
+		FailureModeAllow: true,
+		StatPrefix:       "smg_per_try",
+		MessageTimeout:   durationpb.New(s.PerTryTimeout),
+		ProcessingMode: &extprocfilterv3.ProcessingMode{
+			RequestHeaderMode:   extprocfilterv3.ProcessingMode_SKIP,
+			ResponseHeaderMode:  extprocfilterv3.ProcessingMode_SEND,
+			RequestBodyMode:     extprocfilterv3.ProcessingMode_NONE,
+			ResponseBodyMode:    extprocfilterv3.ProcessingMode_NONE,
+			RequestTrailerMode:  extprocfilterv3.ProcessingMode_SKIP,
+			ResponseTrailerMode: extprocfilterv3.ProcessingMode_SKIP,
+		},
+		MetadataOptions: &extprocfilterv3.MetadataOptions{
+			ForwardingNamespaces: &extprocfilterv3.MetadataOptions_MetadataNamespaces{Untyped: []string{"smg"}},
+		},
+	})
+	if err != nil {
+		return nil, fmt.Errorf("per-try ext_proc config: %w", err)
+	}
+	codec, err := anypb.New(&upstreamcodecv3.UpstreamCodec{})
+	if err != nil {
+		return nil, fmt.Errorf("upstream codec config: %w", err)
+	}
+	return []*hcmv3.HttpFilter{
+		{Name: "envoy.filters.http.ext_proc", ConfigType: &hcmv3.HttpFilter_TypedConfig{TypedConfig: ep}},
+		{Name: "envoy.filters.http.upstream_codec", ConfigType: &hcmv3.HttpFilter_TypedConfig{TypedConfig: codec}},
 	}, nil
 }
 

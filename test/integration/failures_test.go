@@ -21,7 +21,8 @@ const chatBody = `{"model":"fake-model","messages":[{"role":"user","content":"he
 // TestSGLangFailures checks every failure the gateway answers itself: SMG's
 // JSON error body, the code header, and which legs were (not) contacted.
 func TestSGLangFailures(t *testing.T) {
-	s := newStack(t, "--max-payload-size", "65536")
+	// One attempt per request: these check each failure's mapping (retries have their own test).
+	s := newStack(t, "--max-payload-size", "65536", "--disable-retries")
 	ok := func() { // the stack still serves after each failure
 		r := post(t, s.GW.URL+"/v1/chat/completions", chatBody, nil)
 		require.Equal(t, 200, r.Status, "follow-up request: %s", r.Body)
