@@ -2,6 +2,7 @@ package extproc
 
 import (
 	"context"
+	"fmt"
 	"net/http"
 	"strconv"
 	"strings"
@@ -46,6 +47,7 @@ const (
 	respDecodeError
 	respMergeLogprobs
 	respMergeStream
+	respReplaceBody // rewrite Envoy's own reply body in place (x.replaceErr)
 )
 
 // exchange is one client request as seen through one ext_proc stream.
@@ -73,6 +75,9 @@ type exchange struct {
 	prefillLP    []byte // prefill input_token_logprobs for a streamed merge
 	attemptKey   string
 	attempt      *attemptState // nil when retries are off
+	seq          bool          // vLLM sequential dispatch (its own error codes)
+	replaceErr   *apierr.Error
+	plan         *pd.VLLMPlan
 }
 
 func newExchange(s *Server, ctx context.Context, stream extprocv3.ExternalProcessor_ProcessServer) *exchange {
@@ -245,6 +250,9 @@ func (x *exchange) onRequestBody(b *extprocv3.HttpBody) error {
 	x.pair = pair
 	d.Metrics.WorkerSelection.WithLabelValues("prefill", "http", x.model, d.Selector.Prefill.Name()).Inc()
 	d.Metrics.WorkerSelection.WithLabelValues("decode", "http", x.model, d.Selector.Decode.Name()).Inc()
+	if sequentialPair(pair) {
+		return x.sequential(req)
+	}
 
 	n := 1
 	if req.BatchSize > 0 {
@@ -284,6 +292,14 @@ func (x *exchange) onRequestBody(b *extprocv3.HttpBody) error {
 	x.watchPrefill = x.prefill.head
 	x.phase = phaseDecodeWait
 
+	return x.releaseDecode(dBody)
+}
+
+// releaseDecode answers the request-body phase: Envoy sends dBody to the
+// chosen decode (named in envoy.lb metadata) on the upstream route.
+func (x *exchange) releaseDecode(dBody []byte) error {
+	d := x.s.d
+	pair := x.pair
 	mdv := map[string]any{xds.MetadataNamespace: map[string]any{xds.MetadataKey: pair.Decode.Addr}}
 	if !d.Retry.Disabled {
 		if x.attempt == nil {
@@ -326,6 +342,9 @@ func (x *exchange) onPrefillFailedEarly() error {
 	x.watchPrefill = nil
 	if x.phase != phaseDecodeWait || !x.prefill.failed() {
 		return nil
+	}
+	if x.seq {
+		return x.reject(x.seqPrefillError())
 	}
 	return x.reject(x.prefillError())
 }
@@ -372,6 +391,24 @@ func (x *exchange) onResponseHeaders(h *extprocv3.HttpHeaders) error {
 		if !recorded {
 			x.pair.Decode.Record(st, true)
 		}
+		if x.seq && !h.EndOfStream {
+			// vLLM's code for a decode that could not be reached: rewrite
+			// Envoy's reply in place (a second local reply would be re-mapped).
+			if x.prefill != nil {
+				x.prefill.abort()
+			}
+			x.replaceErr = pd.DecodeRequestError(fmt.Errorf("decode %s unreachable (Envoy answered %d)", x.pair.Decode.URL, st))
+			x.mode, x.phase = respReplaceBody, phaseRespBody
+			x.countError(st)
+			return x.send(&extprocv3.ProcessingResponse{
+				Response: &extprocv3.ProcessingResponse_ResponseHeaders{ResponseHeaders: &extprocv3.HeadersResponse{
+					Response: &extprocv3.CommonResponse{HeaderMutation: &extprocv3.HeaderMutation{
+						SetHeaders: []*corev3.HeaderValueOption{hv(hdrRequestID, x.reqID)}, RemoveHeaders: []string{hdrEnvoyReply},
+					}},
+				}},
+				ModeOverride: &filterv3.ProcessingMode{ResponseBodyMode: filterv3.ProcessingMode_BUFFERED, ResponseHeaderMode: filterv3.ProcessingMode_SEND},
+			})
+		}
 		x.phase = phaseDone
 		x.prefill.abort()
 		x.countError(st)
@@ -399,31 +436,15 @@ func (x *exchange) onResponseHeaders(h *extprocv3.HttpHeaders) error {
 		})
 	}
 	d.Metrics.PDTTFT.WithLabelValues("pd", x.model, x.pair.Prefill.Runtime).Observe(time.Since(x.dispatched).Seconds())
-	// Streams without logprobs commit on the prefill head; others wait for its body.
-	wait := x.prefill.done
-	if x.req.Stream && !x.req.Logprobs {
-		wait = x.prefill.head
-	}
-	select {
-	case <-wait:
-	case <-x.ctx.Done():
-		return nil
-	}
-	<-x.prefill.head
-	if x.prefill.failed() {
-		return x.reject(x.prefillError())
-	}
-	if wait == x.prefill.done {
-		// Streams commit on the head; only a drained body can report a read error here.
-		x.prefill.mu.Lock()
-		berr := x.prefill.bodyErr
-		x.prefill.mu.Unlock()
-		if berr != nil {
-			x.log.Warn().Err(berr).Msg("prefill body read failed; continuing with the decode response")
+	if x.prefill != nil {
+		if err := x.awaitPrefill(); err != nil || x.phase == phaseDone {
+			return err
 		}
 	}
 	x.committed = true
-	x.prefill.detach()
+	if x.prefill != nil {
+		x.prefill.detach()
+	}
 	d.Metrics.RouterDuration.WithLabelValues("http", "pd", "http", x.model, x.route.Endpoint).Observe(time.Since(x.dispatched).Seconds())
 	set := []*corev3.HeaderValueOption{hv(hdrRoutedWorker, x.pair.Decode.URL), hv(hdrRequestID, x.reqID)}
 	if x.req.Stream {
@@ -433,11 +454,11 @@ func (x *exchange) onResponseHeaders(h *extprocv3.HttpHeaders) error {
 		Response: &extprocv3.CommonResponse{HeaderMutation: &extprocv3.HeaderMutation{SetHeaders: set}},
 	}}}
 	switch {
-	case x.req.Logprobs && !x.req.Stream && !h.EndOfStream:
+	case x.req.Logprobs && !x.seq && !x.req.Stream && !h.EndOfStream:
 		x.mode = respMergeLogprobs
 		x.phase = phaseRespBody
 		resp.ModeOverride = &filterv3.ProcessingMode{ResponseBodyMode: filterv3.ProcessingMode_BUFFERED, ResponseHeaderMode: filterv3.ProcessingMode_SEND}
-	case x.req.Logprobs && x.req.Stream && !h.EndOfStream && x.streamMergeSource() != nil:
+	case x.req.Logprobs && !x.seq && x.req.Stream && !h.EndOfStream && x.streamMergeSource() != nil:
 		// Only a prefill that answered one JSON document (not SSE) has logprobs to prepend.
 		x.mode = respMergeStream
 		x.phase = phaseRespBody
@@ -456,6 +477,50 @@ func (x *exchange) streamMergeSource() []byte {
 	return x.prefillLP
 }
 
+// awaitPrefill waits, at the decode's 2xx head, for what the answer needs
+// from the prefill: its head (streams without logprobs) or its whole body.
+// It answers the client itself (phase done) when the prefill failed.
+func (x *exchange) awaitPrefill() error {
+	wait := x.prefill.done
+	if x.req.Stream && !x.req.Logprobs && x.plan == nil {
+		wait = x.prefill.head
+	}
+	select {
+	case <-wait:
+	case <-x.ctx.Done():
+		x.phase = phaseDone
+		return nil
+	}
+	<-x.prefill.head
+	if x.prefill.failed() {
+		if x.seq {
+			return x.reject(x.seqPrefillError())
+		}
+		return x.reject(x.prefillError())
+	}
+	if wait != x.prefill.done {
+		return nil
+	}
+	x.prefill.mu.Lock()
+	body, berr := x.prefill.body, x.prefill.bodyErr
+	x.prefill.mu.Unlock()
+	if x.plan != nil { // MoRI-IO concurrent WRITE: release the decode's answer only on a valid handoff
+		if berr != nil {
+			return x.reject(pd.PrefillReadError(berr))
+		}
+		if _, _, err := x.plan.DecodeAfterPrefill(body); err != nil {
+			x.s.d.Metrics.PDKVTransferFail.Inc()
+			x.log.Warn().Err(err).Msg("prefill handoff rejected; dropping the decode leg")
+			return x.reject(asAPIError(err, 502, pd.CodeMoRIIOHandoffInvalid))
+		}
+		return nil
+	}
+	if berr != nil {
+		x.log.Warn().Err(berr).Msg("prefill body read failed; continuing with the decode response")
+	}
+	return nil
+}
+
 func (x *exchange) onResponseBody(b *extprocv3.HttpBody) error {
 	if x.phase == phaseRespBody && x.mode == respMergeStream {
 		out := pd.MergeLogprobsChunk(x.prefillLP, b.Body)
@@ -467,6 +532,18 @@ func (x *exchange) onResponseBody(b *extprocv3.HttpBody) error {
 		return x.send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseBody{ResponseBody: &extprocv3.BodyResponse{}}})
 	}
 	switch x.mode {
+	case respReplaceBody:
+		x.phase = phaseDone
+		e := x.replaceErr
+		out := e.Body()
+		return x.send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseBody{ResponseBody: &extprocv3.BodyResponse{
+			Response: &extprocv3.CommonResponse{
+				HeaderMutation: &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{
+					hv("content-type", "application/json"), hv("content-length", strconv.Itoa(len(out))), hv(apierr.HeaderErrorCode, e.Code),
+				}},
+				BodyMutation: &extprocv3.BodyMutation{Mutation: &extprocv3.BodyMutation_Body{Body: out}},
+			},
+		}}})
 	case respDecodeError:
 		return x.decodeErrorReply(b.Body)
 	case respMergeLogprobs:

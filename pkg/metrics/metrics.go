@@ -14,6 +14,9 @@ type Metrics struct {
 	PDTTFT            *prometheus.HistogramVec
 	PDPrefillDuration *prometheus.HistogramVec
 	PDBootstrapFail   prometheus.Counter
+	PDKVTransfer      *prometheus.HistogramVec
+	PDKVTransferFail  prometheus.Counter
+	PDConnectorMode   *prometheus.CounterVec
 	WorkerSelection   *prometheus.CounterVec
 	WorkerActive      *prometheus.GaugeVec
 	WorkerErrors      *prometheus.CounterVec
@@ -42,6 +45,15 @@ func New(reg prometheus.Registerer) *Metrics {
 		PDBootstrapFail: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "smg_pd_bootstrap_failures_total", Help: "Requests whose bootstrap injection failed.",
 		}),
+		PDKVTransfer: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name: "smg_pd_kv_transfer_duration_seconds", Help: "vLLM: prefill completion to decode dispatch.", Buckets: latencyBuckets,
+		}, []string{"backend_type", "model", "runtime"}),
+		PDKVTransferFail: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "smg_pd_kv_transfer_failures_total", Help: "NIXL prefills without kv_transfer_params (decode recomputes) and failed MoRI-IO pair or handoff checks.",
+		}),
+		PDConnectorMode: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "smg_pd_kv_connector_mode_total", Help: "vLLM dispatches by KV connector mode.",
+		}, []string{"mode"}),
 		WorkerSelection: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "smg_worker_selection_total", Help: "Worker picks per leg.",
 		}, []string{"worker_type", "connection_mode", "model", "policy"}),
@@ -53,7 +65,7 @@ func New(reg prometheus.Registerer) *Metrics {
 		}, []string{"worker_type", "connection_mode", "error_type"}),
 	}
 	reg.MustRegister(m.RouterRequests, m.RouterErrors, m.RouterDuration, m.PDTTFT, m.PDPrefillDuration,
-		m.PDBootstrapFail, m.WorkerSelection, m.WorkerActive, m.WorkerErrors)
+		m.PDBootstrapFail, m.PDKVTransfer, m.PDKVTransferFail, m.PDConnectorMode, m.WorkerSelection, m.WorkerActive, m.WorkerErrors)
 	return m
 }
 
