@@ -6,6 +6,7 @@ import (
 	"net/http"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
@@ -64,8 +65,9 @@ type exchange struct {
 	req     *pd.Request
 	pair    pairing.Pair
 	prefill *prefillLeg
-	// watchPrefill is non-nil while an early prefill failure must be answered spontaneously.
-	watchPrefill <-chan struct{}
+	// mu serialises the handler goroutine and the prefill watcher (stream
+	// sends and state).
+	mu           sync.Mutex
 	dispatched   time.Time
 	mode         respMode
 	decodeStatus int
@@ -84,10 +86,32 @@ func newExchange(s *Server, ctx context.Context, stream extprocv3.ExternalProces
 	return &exchange{s: s, ctx: ctx, stream: stream, log: s.d.Log}
 }
 
-func (x *exchange) prefillWatch() <-chan struct{} { return x.watchPrefill }
+// watchPrefill answers the client as soon as the prefill fails while Envoy
+// waits on the decode's head (ext_proc accepts an ImmediateResponse at any
+// time); Envoy then resets the decode leg.
+func (x *exchange) watchPrefill(l *prefillLeg) {
+	go func() {
+		select {
+		case <-l.head:
+		case <-x.ctx.Done():
+			return
+		}
+		if !l.failed() {
+			return
+		}
+		x.mu.Lock()
+		defer x.mu.Unlock()
+		if err := x.onPrefillFailedEarly(); err != nil {
+			x.log.Debug().Err(err).Msg("prefill failure answer not sent")
+		}
+	}()
+}
 
 // finish runs when the stream ends: the client is gone or the response is complete.
 func (x *exchange) finish() {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	x.phase = phaseDone // a late prefill watcher must not answer
 	if x.prefill != nil && !x.committed {
 		x.prefill.abort()
 	}
@@ -289,7 +313,7 @@ func (x *exchange) onRequestBody(b *extprocv3.HttpBody) error {
 				d.Metrics.PDPrefillDuration.WithLabelValues("pd", model, runtime).Observe(time.Since(l.started).Seconds())
 			}
 		})
-	x.watchPrefill = x.prefill.head
+	x.watchPrefill(x.prefill)
 	x.phase = phaseDecodeWait
 
 	return x.releaseDecode(dBody)
@@ -339,7 +363,6 @@ func (x *exchange) acquire(w interface{ Acquire() func() }) {
 // onPrefillFailedEarly answers with the prefill's error while the decode head
 // has not arrived; Envoy then resets the decode leg.
 func (x *exchange) onPrefillFailedEarly() error {
-	x.watchPrefill = nil
 	if x.phase != phaseDecodeWait || !x.prefill.failed() {
 		return nil
 	}
@@ -364,7 +387,6 @@ func (x *exchange) onResponseHeaders(h *extprocv3.HttpHeaders) error {
 	if x.phase != phaseDecodeWait {
 		return x.send(headersContinue(nil))
 	}
-	x.watchPrefill = nil
 	st, envoyReply := 0, false
 	for _, hv := range h.GetHeaders().GetHeaders() {
 		switch hv.Key {
@@ -615,7 +637,6 @@ func (x *exchange) countTokens(preq policy.Request) error {
 // reject answers the client with an SMG error and ends processing.
 func (x *exchange) reject(e *apierr.Error) error {
 	x.phase = phaseDone
-	x.watchPrefill = nil
 	if x.prefill != nil && !x.committed {
 		x.prefill.abort()
 	}

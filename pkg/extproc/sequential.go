@@ -75,7 +75,7 @@ func (x *exchange) sequential(req *pd.Request) error {
 			}
 			release()
 		})
-		x.watchPrefill = x.prefill.head
+		x.watchPrefill(x.prefill)
 		x.phase = phaseDecodeWait
 		return x.releaseDecode(plan.Decode)
 	}
