@@ -4,7 +4,7 @@ GO ?= go
 PYTHON ?= python3
 ENVOY_VERSION := 1.40.0
 VENV := .venv
-VENV_ENVOY = $(firstword $(wildcard $(VENV)/lib/python3*/site-packages/envoy/_bin/envoy))
+VENV_ENVOY = $(abspath $(firstword $(wildcard $(VENV)/lib/python3*/site-packages/envoy/_bin/envoy)))
 # Envoy the tests and `make run` use: $ENVOY_BIN, else PATH, else the project venv.
 ENVOY_BIN ?= $(or $(shell command -v envoy 2>/dev/null),$(VENV_ENVOY))
 export ENVOY_BIN
@@ -29,7 +29,7 @@ envoy:
 
 # Fake SGLang prefill + decode and the gateway on :30000. Ctrl-C stops all.
 run: build envoy
-	@ENVOY_BIN="$$( [ -n "$(ENVOY_BIN)" ] && echo "$(ENVOY_BIN)" || ls $(VENV)/lib/python3*/site-packages/envoy/_bin/envoy )" ./scripts/run-local.sh
+	@ENVOY_BIN="$$( [ -n "$(ENVOY_BIN)" ] && echo "$(ENVOY_BIN)" || ls $(CURDIR)/$(VENV)/lib/python3*/site-packages/envoy/_bin/envoy )" ./scripts/run-local.sh
 
 vet:
 	$(GO) vet ./...
@@ -39,15 +39,15 @@ unit:
 	$(GO) test -count=1 $$($(GO) list ./... | grep -v /test/)
 
 integration: build envoy
-	ENVOY_BIN="$$( [ -n "$(ENVOY_BIN)" ] && echo "$(ENVOY_BIN)" || ls $(VENV)/lib/python3*/site-packages/envoy/_bin/envoy )" \
+	ENVOY_BIN="$$( [ -n "$(ENVOY_BIN)" ] && echo "$(ENVOY_BIN)" || ls $(CURDIR)/$(VENV)/lib/python3*/site-packages/envoy/_bin/envoy )" \
 		$(GO) test -count=1 -timeout 15m ./test/integration/...
 
 test: vet build envoy
-	ENVOY_BIN="$$( [ -n "$(ENVOY_BIN)" ] && echo "$(ENVOY_BIN)" || ls $(VENV)/lib/python3*/site-packages/envoy/_bin/envoy )" \
+	ENVOY_BIN="$$( [ -n "$(ENVOY_BIN)" ] && echo "$(ENVOY_BIN)" || ls $(CURDIR)/$(VENV)/lib/python3*/site-packages/envoy/_bin/envoy )" \
 		$(GO) test -count=1 -timeout 20m ./...
 
 bench: build envoy
-	ENVOY_BIN="$$( [ -n "$(ENVOY_BIN)" ] && echo "$(ENVOY_BIN)" || ls $(VENV)/lib/python3*/site-packages/envoy/_bin/envoy )" \
+	ENVOY_BIN="$$( [ -n "$(ENVOY_BIN)" ] && echo "$(ENVOY_BIN)" || ls $(CURDIR)/$(VENV)/lib/python3*/site-packages/envoy/_bin/envoy )" \
 		$(GO) run ./test/bench $(BENCH_ARGS)
 
 fmt:

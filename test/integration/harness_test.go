@@ -55,6 +55,10 @@ func TestMain(m *testing.M) {
 			envoyBin = ms[0]
 		}
 	}
+	if envoyBin != "" && !filepath.IsAbs(envoyBin) {
+		// Relative to the repository root (the Makefile's working directory).
+		envoyBin = filepath.Join(root, envoyBin)
+	}
 	if envoyBin == "" {
 		// Not a skip: these tests exist to run through a real Envoy.
 		fmt.Fprintln(os.Stderr, "integration tests need Envoy: run `make envoy` or set ENVOY_BIN")
