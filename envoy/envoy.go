@@ -32,6 +32,8 @@ type Params struct {
 	PDRoutes           []string
 	// MaxRedirects is the number of retries after the first attempt (0: none).
 	MaxRedirects int
+	// AccessLogPath enables Envoy's JSON access log ("" = off).
+	AccessLogPath string
 }
 
 // ControlConnectHost is where Envoy dials the Go servers: a wildcard listen

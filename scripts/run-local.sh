@@ -16,6 +16,6 @@ bin/fake-engine sglang --mode prefill --http-port 31000 --bootstrap-port 8998 & 
 bin/fake-engine sglang --mode decode --http-port 31001 & pids+=($!)
 bin/smg-extproc launch --pd-disaggregation --host 127.0.0.1 --port "$PORT" --prometheus-port 29000 \
 	--prefill http://127.0.0.1:31000 8998 --decode http://127.0.0.1:31001 \
-	--policy round_robin --envoy-path "$ENVOY_BIN" & pids+=($!)
+	--policy round_robin --log-format console --envoy-access-log - --envoy-path "$ENVOY_BIN" & pids+=($!)
 echo "gateway: http://127.0.0.1:$PORT  (metrics :29000/metrics)  — Ctrl-C to stop"
 wait -n "${pids[@]}"

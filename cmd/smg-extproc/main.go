@@ -10,12 +10,14 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"os"
 	"os/signal"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -116,7 +118,7 @@ func hasFlag(args []string, name string) bool {
 	return false
 }
 
-func newLogger(level string) zerolog.Logger {
+func newLogger(level, format string) zerolog.Logger {
 	lvl, err := zerolog.ParseLevel(strings.ToLower(level))
 	if err != nil || level == "" {
 		lvl = zerolog.InfoLevel
@@ -126,8 +128,11 @@ func newLogger(level string) zerolog.Logger {
 	}
 	// main owns the process: millisecond timestamps for every logger.
 	zerolog.TimeFieldFormat = time.RFC3339Nano
-	var w = zerolog.ConsoleWriter{Out: os.Stderr, TimeFormat: "15:04:05.000", NoColor: true}
-	return zerolog.New(w).Level(lvl).With().Timestamp().Logger()
+	if format == "console" {
+		w := zerolog.ConsoleWriter{Out: os.Stderr, TimeFormat: "15:04:05.000", NoColor: true}
+		return zerolog.New(w).Level(lvl).With().Timestamp().Logger()
+	}
+	return zerolog.New(os.Stderr).Level(lvl).With().Timestamp().Logger()
 }
 
 func renderBootstrap(cfg *config.Config, extprocPort, adminPort int) ([]byte, error) {
@@ -139,9 +144,13 @@ func renderBootstrap(cfg *config.Config, extprocPort, adminPort int) ([]byte, er
 	if !cfg.DisableRetries && cfg.RetryMaxRetries > 1 {
 		redirects = cfg.RetryMaxRetries - 1
 	}
+	accessLog := cfg.EnvoyAccessLog
+	if accessLog == "-" {
+		accessLog = "/dev/stdout"
+	}
 	return envoycfg.Render(envoycfg.Params{
-		MaxRedirects: redirects,
-		NodeID:       cfg.NodeID, Host: cfg.Host, Port: cfg.Port, EnvoyAdminPort: cfg.EnvoyAdminPort,
+		MaxRedirects: redirects, AccessLogPath: accessLog,
+		NodeID: cfg.NodeID, Host: cfg.Host, Port: cfg.Port, EnvoyAdminPort: cfg.EnvoyAdminPort,
 		ControlHost: cfg.ControlHost, ExtProcPort: extprocPort, AdminPort: adminPort,
 		MaxPayloadSize: cfg.MaxPayloadSize, RequestTimeoutSecs: cfg.RequestTimeoutSecs,
 		RouteTimeoutSecs: cfg.RequestTimeoutSecs + 2, MessageTimeoutSecs: cfg.RequestTimeoutSecs + 30, PDRoutes: routes,
@@ -163,7 +172,7 @@ func fileSpecs(f *config.File) []workers.Spec {
 }
 
 func run(withEnvoy bool, cfg config.Config, file *config.File) error {
-	log := newLogger(cfg.LogLevel)
+	log := newLogger(cfg.LogLevel, cfg.LogFormat)
 	if !cfg.PDDisaggregation {
 		log.Warn().Msg("--pd-disaggregation not given; smg-extproc only serves PD mode and runs it anyway")
 	}
@@ -335,6 +344,7 @@ func run(withEnvoy bool, cfg config.Config, file *config.File) error {
 	}
 	adminSrv := &http.Server{Handler: admin.Handler(admin.Deps{Log: log, Registry: reg, Client: client, APIKey: cfg.APIKey, Manager: mgr, PairingKey: pairing.KeyOf}),
 		ReadHeaderTimeout: 10 * time.Second}
+	var envoyAdmin atomic.Value // Envoy's admin address once launched
 	var promSrv *http.Server
 	var pl net.Listener
 	if cfg.PrometheusPort > 0 {
@@ -344,6 +354,22 @@ func run(withEnvoy bool, cfg config.Config, file *config.File) error {
 		}
 		mux := http.NewServeMux()
 		mux.Handle("/metrics", promhttp.HandlerFor(promReg, promhttp.HandlerOpts{Registry: promReg}))
+		// Envoy's own stats (decode upstream timing, response codes), when Envoy is our child.
+		mux.HandleFunc("/envoy/metrics", func(w http.ResponseWriter, r *http.Request) {
+			addr, _ := envoyAdmin.Load().(string)
+			if addr == "" {
+				http.Error(w, "Envoy is not managed by this process (use Envoy's admin /stats/prometheus)", http.StatusNotFound)
+				return
+			}
+			resp, err := http.Get("http://" + addr + "/stats/prometheus")
+			if err != nil {
+				http.Error(w, err.Error(), http.StatusBadGateway)
+				return
+			}
+			defer resp.Body.Close()
+			w.Header().Set("Content-Type", resp.Header.Get("Content-Type"))
+			_, _ = io.Copy(w, resp.Body)
+		})
 		promSrv = &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
 	}
 
@@ -399,6 +425,7 @@ func run(withEnvoy bool, cfg config.Config, file *config.File) error {
 			child.Stop(5 * time.Second)
 			return err
 		}
+		envoyAdmin.Store(child.AdminAddress())
 		log.Info().Str("envoy", bin).Str("envoy_admin", child.AdminAddress()).
 			Str("listen", fmt.Sprintf("http://%s:%d", cfg.Host, cfg.Port)).Msg("gateway ready")
 	}

@@ -35,6 +35,8 @@ type Config struct {
 	PrometheusPort int
 
 	LogLevel           string
+	LogFormat          string // json | console
+	EnvoyAccessLog     string // "" = none, "-" = stdout, else a file path
 	RequestTimeoutSecs int
 	MaxPayloadSize     int64
 	APIKey             string
@@ -88,6 +90,8 @@ type Config struct {
 	AdminPort        int    // internal HTTP: /workers, probes
 	NodeID           string
 
+	logJSON bool
+
 	// Unrecognised-but-accepted SMG flags, kept for the log line.
 	Ignored []string
 }
@@ -101,6 +105,7 @@ func Defaults() Config {
 		PrometheusHost:          "0.0.0.0",
 		PrometheusPort:          29000,
 		LogLevel:                "info",
+		LogFormat:               "json",
 		RequestTimeoutSecs:      1800,
 		MaxPayloadSize:          512 * 1024 * 1024,
 		HealthCheckIntervalSecs: 60,
@@ -181,6 +186,9 @@ func (c *Config) table() map[string]spec {
 		"prometheus-host":                   {kString, &c.PrometheusHost, "metrics listen address"},
 		"prometheus-port":                   {kInt, &c.PrometheusPort, "metrics port"},
 		"log-level":                         {kString, &c.LogLevel, "debug|info|warn|error"},
+		"log-format":                        {kString, &c.LogFormat, "json (default) or console"},
+		"log-json":                          {kBool, &c.logJSON, "SMG's flag: JSON logs (the default here)"},
+		"envoy-access-log":                  {kString, &c.EnvoyAccessLog, "Envoy access log: a file path, - for stdout (default: none)"},
 		"request-timeout-secs":              {kInt, &c.RequestTimeoutSecs, "whole-request timeout"},
 		"max-payload-size":                  {kInt64, &c.MaxPayloadSize, "largest accepted request body (bytes)"},
 		"api-key":                           {kString, &c.APIKey, "admin API key for the worker API"},
@@ -237,7 +245,6 @@ func (c *Config) table() map[string]spec {
 		"pd-admission-wait-secs":        {kIgnoreValue, nil, ""},
 		"remove-unhealthy-workers":      {kIgnoreBool, nil, ""},
 		"log-dir":                       {kIgnoreValue, nil, ""},
-		"log-json":                      {kIgnoreBool, nil, ""},
 	}
 }
 
@@ -386,6 +393,14 @@ func (c *Config) Validate() error {
 	case "off", "lenient", "strict":
 	default:
 		return fmt.Errorf("--pd-pairing-mode must be off, lenient or strict")
+	}
+	if c.logJSON {
+		c.LogFormat = "json"
+	}
+	switch c.LogFormat {
+	case "json", "console":
+	default:
+		return fmt.Errorf("--log-format must be json or console")
 	}
 	switch strings.ToLower(c.LogLevel) {
 	case "trace", "debug", "info", "warn", "warning", "error":

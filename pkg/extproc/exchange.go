@@ -67,7 +67,10 @@ type exchange struct {
 	prefill *prefillLeg
 	// mu serialises the handler goroutine and the prefill watcher (stream
 	// sends and state).
-	mu           sync.Mutex
+	mu sync.Mutex
+	// busy is time spent in handlers; waited is the part spent waiting for
+	// the prefill. busy − waited is what the gateway itself adds.
+	busy, waited time.Duration
 	dispatched   time.Time
 	mode         respMode
 	decodeStatus int
@@ -111,6 +114,9 @@ func (x *exchange) watchPrefill(l *prefillLeg) {
 func (x *exchange) finish() {
 	x.mu.Lock()
 	defer x.mu.Unlock()
+	if x.route != nil && x.busy > 0 {
+		x.s.d.Metrics.GatewayProcessing.WithLabelValues(x.route.Endpoint).Observe((x.busy - x.waited).Seconds())
+	}
 	x.phase = phaseDone // a late prefill watcher must not answer
 	if x.prefill != nil && !x.committed {
 		x.prefill.abort()
@@ -507,12 +513,14 @@ func (x *exchange) awaitPrefill() error {
 	if x.req.Stream && !x.req.Logprobs && x.plan == nil {
 		wait = x.prefill.head
 	}
+	t0 := time.Now()
 	select {
 	case <-wait:
 	case <-x.ctx.Done():
 		x.phase = phaseDone
 		return nil
 	}
+	x.waited += time.Since(t0)
 	<-x.prefill.head
 	if x.prefill.failed() {
 		if x.seq {

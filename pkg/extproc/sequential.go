@@ -86,6 +86,7 @@ func (x *exchange) sequential(req *pd.Request) error {
 	start := time.Now()
 	st, _, body, perr := doPost(ctx, d.Client, url, x.legHeaders(), plan.Prefill)
 	release()
+	x.waited += time.Since(start)
 	if x.ctx.Err() != nil {
 		return nil // the client left; nothing to answer
 	}
@@ -118,11 +119,30 @@ func (x *exchange) sequential(req *pd.Request) error {
 		d.Metrics.PDKVTransferFail.Inc()
 		x.log.Warn().Str("prefill", pair.Prefill.URL).Msg("NIXL prefill returned no kv_transfer_params; the decode recomputes the prompt")
 	}
+	if e := x.log.Debug(); e.Enabled() {
+		e.Str("mode", plan.Mode.String()).Str("handoff", handoffKind(plan, body, kvFailed)).Msg("kv handoff")
+	}
 	x.phase = phaseDecodeWait
 	err = x.releaseDecode(dBody)
 	// Prefill completion to decode dispatch: the gateway's share of the handoff.
 	d.Metrics.PDKVTransfer.WithLabelValues("pd", x.model, pair.Prefill.Runtime).Observe(time.Since(prefillDone).Seconds())
 	return err
+}
+
+// handoffKind names what the decode leg got, for debug logs.
+func handoffKind(plan *pd.VLLMPlan, prefillBody []byte, kvFailed bool) string {
+	switch {
+	case kvFailed:
+		return "missing"
+	case plan.Mode == pd.ModeMooncake && len(plan.DecodeParams) > 0:
+		return "synthesized"
+	case plan.Mode == pd.ModeMoRIIO:
+		return "validated"
+	}
+	if _, ok := pd.HarvestKVTransferParams(prefillBody); ok {
+		return "relayed"
+	}
+	return "missing"
 }
 
 // seqPrefillError maps a concurrent-WRITE prefill failure (vLLM's codes).

@@ -85,9 +85,14 @@ func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) error
 			return nil // Envoy ends every stream this way, success or client abort
 		}
 		x.mu.Lock()
+		t0 := time.Now()
 		err = x.handle(m)
+		x.busy += time.Since(t0)
 		x.mu.Unlock()
 		if err != nil {
+			if ctx.Err() != nil {
+				return nil // the answer raced the client going away
+			}
 			return err
 		}
 	}

@@ -20,6 +20,9 @@ type Metrics struct {
 	WorkerSelection   *prometheus.CounterVec
 	WorkerActive      *prometheus.GaugeVec
 	WorkerErrors      *prometheus.CounterVec
+	// GatewayProcessing is what the gateway adds: time in the processor's
+	// handlers per request, excluding waits for the prefill leg.
+	GatewayProcessing *prometheus.HistogramVec
 }
 
 var latencyBuckets = []float64{.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300}
@@ -60,12 +63,17 @@ func New(reg prometheus.Registerer) *Metrics {
 		WorkerActive: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "smg_worker_requests_active", Help: "In-flight requests per worker.",
 		}, []string{"worker"}),
+		GatewayProcessing: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "smg_gateway_processing_seconds",
+			Help:    "Time the processor spends on a request (all ext_proc phases), excluding prefill waits.",
+			Buckets: []float64{.00005, .0001, .00025, .0005, .001, .0025, .005, .01, .025, .05, .1},
+		}, []string{"endpoint"}),
 		WorkerErrors: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "smg_worker_errors_total", Help: "5xx outcomes per leg.",
 		}, []string{"worker_type", "connection_mode", "error_type"}),
 	}
 	reg.MustRegister(m.RouterRequests, m.RouterErrors, m.RouterDuration, m.PDTTFT, m.PDPrefillDuration,
-		m.PDBootstrapFail, m.PDKVTransfer, m.PDKVTransferFail, m.PDConnectorMode, m.WorkerSelection, m.WorkerActive, m.WorkerErrors)
+		m.PDBootstrapFail, m.PDKVTransfer, m.PDKVTransferFail, m.PDConnectorMode, m.WorkerSelection, m.WorkerActive, m.WorkerErrors, m.GatewayProcessing)
 	return m
 }
 
