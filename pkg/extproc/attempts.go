@@ -24,6 +24,7 @@ type attemptState struct {
 	decode     *workers.Worker // the current attempt's decode
 	recorded   bool            // the per-try processor recorded the decode's outcome
 	redirected bool            // an internal redirect is in flight: keep the state
+	owner      *exchange       // the attempt currently holding the state
 	authority  string
 	path       string // client path (a PD route) to redirect to
 	expires    time.Time

@@ -123,7 +123,9 @@ func (x *exchange) finish() {
 	}
 	if x.attempt != nil {
 		x.attempt.mu.Lock()
-		keep := x.attempt.redirected // the next attempt takes it over
+		// Keep it while a redirect is in flight or a newer attempt owns it:
+		// the next attempt's stream may start before this one's ends.
+		keep := x.attempt.redirected || x.attempt.owner != x
 		x.attempt.mu.Unlock()
 		if !keep {
 			x.s.attempts.del(x.attemptKey)
@@ -202,6 +204,7 @@ func (x *exchange) resumeAttempt(query string) {
 			st.mu.Lock()
 			st.redirected = false
 			st.recorded = false
+			st.owner = x
 			st.mu.Unlock()
 			x.attempt, x.attemptKey = st, v
 		}
@@ -263,7 +266,9 @@ func (x *exchange) onRequestBody(b *extprocv3.HttpBody) error {
 	if x.model == "" {
 		x.model = "unknown"
 	}
-	d.Metrics.RouterRequests.WithLabelValues("http", "pd", "http", x.model, x.route.Endpoint, strconv.FormatBool(req.Stream)).Inc()
+	if x.attempt == nil { // one count per client request, not per retry attempt
+		d.Metrics.RouterRequests.WithLabelValues("http", "pd", "http", x.model, x.route.Endpoint, strconv.FormatBool(req.Stream)).Inc()
+	}
 	preq := policy.Request{Text: req.Text, RoutingKey: x.reqHdr["x-smg-routing-key"],
 		TargetWorker: x.reqHdr["x-smg-target-worker"], Authorization: x.reqHdr["authorization"],
 		ForwardedFor: x.reqHdr["x-forwarded-for"], Cookie: x.reqHdr["cookie"], Model: req.Model}
@@ -311,7 +316,7 @@ func (x *exchange) onRequestBody(b *extprocv3.HttpBody) error {
 	x.prefill = startPrefill(x.ctx, d.Client, pair.Prefill.BaseURL+x.route.UpstreamPath, x.legHeaders(), pBody,
 		d.RequestTimeout, keepBody, func(l *prefillLeg) {
 			if st, terr, ok := l.outcome(); ok {
-				pair.Prefill.Record(st, terr)
+				d.record(pair.Prefill, "prefill", st, terr)
 			}
 			prefillRelease()
 			d.Metrics.WorkerActive.WithLabelValues(pair.Prefill.URL).Dec()
@@ -334,7 +339,7 @@ func (x *exchange) releaseDecode(dBody []byte) error {
 	if !d.Retry.Disabled {
 		if x.attempt == nil {
 			x.attemptKey = newAttemptKey()
-			x.attempt = &attemptState{authority: x.reqHdr[":authority"], path: x.route.ClientPath}
+			x.attempt = &attemptState{authority: x.reqHdr[":authority"], path: x.route.ClientPath, owner: x}
 			x.s.attempts.put(x.attemptKey, x.attempt)
 		}
 		x.attempt.mu.Lock()
@@ -417,9 +422,9 @@ func (x *exchange) onResponseHeaders(h *extprocv3.HttpHeaders) error {
 		// Envoy answered itself (decode unreachable, timed out, ...), already
 		// in SMG's error format: count a failed decode leg, drop the prefill.
 		if !recorded {
-			x.pair.Decode.Record(st, true)
+			x.s.d.record(x.pair.Decode, "decode", st, true)
 		}
-		if x.seq && !h.EndOfStream {
+		if x.seq && st == 502 && !h.EndOfStream {
 			// vLLM's code for a decode that could not be reached: rewrite
 			// Envoy's reply in place (a second local reply would be re-mapped).
 			if x.prefill != nil {
@@ -448,7 +453,7 @@ func (x *exchange) onResponseHeaders(h *extprocv3.HttpHeaders) error {
 		}}})
 	}
 	if !recorded { // the per-try processor records each try itself
-		x.pair.Decode.Record(st, false)
+		x.s.d.record(x.pair.Decode, "decode", st, false)
 	}
 	d := x.s.d
 	if st < 200 || st > 299 {

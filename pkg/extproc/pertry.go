@@ -108,7 +108,7 @@ func (s *Server) perTryResponseHeaders(ctx context.Context, m *extprocv3.Process
 	st.recorded = true
 	st.mu.Unlock()
 	if decode != nil {
-		decode.Record(code, false)
+		s.d.record(decode, "decode", code, false)
 	}
 	rc := s.d.Retry
 	if rc.Disabled || !fleet.RetryableStatus(code) {

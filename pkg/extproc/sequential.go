@@ -71,7 +71,7 @@ func (x *exchange) sequential(req *pd.Request) error {
 		release := pair.Prefill.Acquire()
 		x.prefill = startPrefill(x.ctx, d.Client, url, x.legHeaders(), plan.Prefill, d.RequestTimeout, true, func(l *prefillLeg) {
 			if st, terr, ok := l.outcome(); ok {
-				pair.Prefill.Record(st, terr)
+				d.record(pair.Prefill, "prefill", st, terr)
 			}
 			release()
 		})
@@ -91,7 +91,7 @@ func (x *exchange) sequential(req *pd.Request) error {
 		return nil // the client left; nothing to answer
 	}
 	if perr != nil {
-		pair.Prefill.Record(0, true)
+		d.record(pair.Prefill, "prefill", 0, true)
 		if strings.HasPrefix(perr.Error(), "read response body") {
 			return x.reject(pd.PrefillReadError(perr))
 		}
@@ -101,7 +101,7 @@ func (x *exchange) sequential(req *pd.Request) error {
 		x.log.Warn().Err(perr).Str("prefill", pair.Prefill.URL).Msg("prefill transport error")
 		return x.reject(pd.PrefillRequestError(perr))
 	}
-	pair.Prefill.Record(st, false)
+	d.record(pair.Prefill, "prefill", st, false)
 	if st < 200 || st > 299 {
 		e := pd.PrefillUpstreamError(st, body)
 		x.log.Warn().Int("status", st).Str("prefill", pair.Prefill.URL).Msg("prefill failed")

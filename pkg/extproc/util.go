@@ -44,3 +44,18 @@ func doPost(ctx context.Context, c *http.Client, url string, hdr http.Header, bo
 	}
 	return resp.StatusCode, resp.Header, b, nil
 }
+
+// record feeds one leg's outcome to its worker's breaker and counts 5xx and
+// transport failures in smg_worker_errors_total.
+func (d *Deps) record(w *workers.Worker, leg string, status int, transportErr bool) {
+	w.Record(status, transportErr)
+	if transportErr || status >= 500 {
+		et := "backend_error"
+		if transportErr {
+			et = "connection_error"
+		} else if status == 504 {
+			et = "timeout"
+		}
+		d.Metrics.WorkerErrors.WithLabelValues(leg, "http", et).Inc()
+	}
+}
