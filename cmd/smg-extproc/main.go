@@ -249,11 +249,12 @@ func run(withEnvoy bool, cfg config.Config, file *config.File) error {
 		pdeps.Loads = lm
 	}
 	// SMG refuses power_of_two on a leg with fewer than two startup workers.
-	if pp == "power_of_two" && len(cfg.Prefills) < 2 && file == nil {
-		return fmt.Errorf("--prefill-policy power_of_two needs at least two prefill workers")
+	np, nd := len(workers.ByType(reg.Snapshot(), workers.Prefill)), len(workers.ByType(reg.Snapshot(), workers.Decode))
+	if pp == "power_of_two" && np < 2 {
+		return fmt.Errorf("power_of_two as the prefill policy needs at least two prefill workers at startup (have %d)", np)
 	}
-	if dp == "power_of_two" && len(cfg.Decodes) < 2 && file == nil {
-		return fmt.Errorf("--decode-policy power_of_two needs at least two decode workers")
+	if dp == "power_of_two" && nd < 2 {
+		return fmt.Errorf("power_of_two as the decode policy needs at least two decode workers at startup (have %d)", nd)
 	}
 	mk := func(leg policy.Leg, name string) (policy.Policy, error) {
 		p, err := policy.Build(name, leg, popts, pdeps)

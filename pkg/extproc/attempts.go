@@ -25,6 +25,7 @@ type attemptState struct {
 	recorded   bool            // the per-try processor recorded the decode's outcome
 	redirected bool            // an internal redirect is in flight: keep the state
 	owner      *exchange       // the attempt currently holding the state
+	reqID      string          // the client request's id, kept across attempts
 	authority  string
 	path       string // client path (a PD route) to redirect to
 	expires    time.Time

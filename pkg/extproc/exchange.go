@@ -179,6 +179,9 @@ func (x *exchange) onRequestHeaders(h *extprocv3.HttpHeaders) error {
 	}
 	x.route = route
 	x.reqID = pd.RequestID(route, x.getHdr)
+	if x.attempt != nil && x.attempt.reqID != "" {
+		x.reqID = x.attempt.reqID // a retry keeps the client request's id
+	}
 	x.log = x.s.d.Log.With().Str("request_id", x.reqID).Str("route", route.ClientPath).Logger()
 	if h.EndOfStream {
 		return x.reject(apierr.New(400, apierr.CodeInvalidJSON, "Failed to parse the request body as JSON: empty body"))
@@ -259,6 +262,7 @@ func (x *exchange) onRequestBody(b *extprocv3.HttpBody) error {
 	}
 	req, err := pd.ParseRequest(x.route, b.Body)
 	if err != nil {
+		d.Metrics.RouterRequests.WithLabelValues("http", "pd", "http", "unknown", x.route.Endpoint, "false").Inc()
 		return x.reject(asAPIError(err, 400, apierr.CodeInvalidRequest))
 	}
 	x.req = req
@@ -306,8 +310,7 @@ func (x *exchange) onRequestBody(b *extprocv3.HttpBody) error {
 	x.log.Debug().Str("prefill", pair.Prefill.URL).Str("decode", pair.Decode.URL).Uints64("rooms", rooms).Msg("pair selected")
 
 	x.acquire(pair.Decode)
-	prefillRelease := pair.Prefill.Acquire()
-	d.Metrics.WorkerActive.WithLabelValues(pair.Prefill.URL).Inc()
+	prefillRelease := d.active(pair.Prefill)
 	runtime := pair.Prefill.Runtime
 	model := x.model
 	// Non-streamed requests and logprob merges wait for the whole prefill body.
@@ -319,7 +322,6 @@ func (x *exchange) onRequestBody(b *extprocv3.HttpBody) error {
 				d.record(pair.Prefill, "prefill", st, terr)
 			}
 			prefillRelease()
-			d.Metrics.WorkerActive.WithLabelValues(pair.Prefill.URL).Dec()
 			if !l.failed() {
 				d.Metrics.PDPrefillDuration.WithLabelValues("pd", model, runtime).Observe(time.Since(l.started).Seconds())
 			}
@@ -339,7 +341,7 @@ func (x *exchange) releaseDecode(dBody []byte) error {
 	if !d.Retry.Disabled {
 		if x.attempt == nil {
 			x.attemptKey = newAttemptKey()
-			x.attempt = &attemptState{authority: x.reqHdr[":authority"], path: x.route.ClientPath, owner: x}
+			x.attempt = &attemptState{authority: x.reqHdr[":authority"], path: x.route.ClientPath, owner: x, reqID: x.reqID}
 			x.s.attempts.put(x.attemptKey, x.attempt)
 		}
 		x.attempt.mu.Lock()
@@ -367,8 +369,8 @@ func (x *exchange) releaseDecode(dBody []byte) error {
 	})
 }
 
-func (x *exchange) acquire(w interface{ Acquire() func() }) {
-	x.releases = append(x.releases, w.Acquire())
+func (x *exchange) acquire(w *workersT) {
+	x.releases = append(x.releases, x.s.d.active(w))
 }
 
 // onPrefillFailedEarly answers with the prefill's error while the decode head

@@ -119,8 +119,9 @@ func (s *Server) perTryResponseHeaders(ctx context.Context, m *extprocv3.Process
 		return cont, nil
 	}
 	backoff := rc.Backoff(attempts-1, rand.Float64)
-	s.d.FleetMetrics.RecordRetry("prefill", endpointOf(path), attempts, backoff)
+	// Both legs are retried; the backoff is observed once per retry.
 	s.d.FleetMetrics.RecordRetry("decode", endpointOf(path), attempts, backoff)
+	s.d.FleetMetrics.Retries.WithLabelValues("prefill", endpointOf(path)).Inc()
 	s.d.Log.Info().Int("status", code).Int("attempt", attempts).Dur("backoff", backoff).Str("path", path).
 		Msg("retrying with a new prefill/decode pair")
 	t := time.NewTimer(backoff)

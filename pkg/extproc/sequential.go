@@ -68,7 +68,7 @@ func (x *exchange) sequential(req *pd.Request) error {
 	if plan.Concurrent {
 		// MoRI-IO concurrent WRITE: the decode leg carries minted params now;
 		// its answer is held until the prefill's handoff validates.
-		release := pair.Prefill.Acquire()
+		release := d.active(pair.Prefill)
 		x.prefill = startPrefill(x.ctx, d.Client, url, x.legHeaders(), plan.Prefill, d.RequestTimeout, true, func(l *prefillLeg) {
 			if st, terr, ok := l.outcome(); ok {
 				d.record(pair.Prefill, "prefill", st, terr)
@@ -82,7 +82,7 @@ func (x *exchange) sequential(req *pd.Request) error {
 
 	ctx, cancel := context.WithTimeout(x.ctx, d.RequestTimeout)
 	defer cancel()
-	release := pair.Prefill.Acquire()
+	release := d.active(pair.Prefill)
 	start := time.Now()
 	st, _, body, perr := doPost(ctx, d.Client, url, x.legHeaders(), plan.Prefill)
 	release()
@@ -134,6 +134,11 @@ func handoffKind(plan *pd.VLLMPlan, prefillBody []byte, kvFailed bool) string {
 	switch {
 	case kvFailed:
 		return "missing"
+	case plan.Mode == pd.ModePassthrough:
+		if _, ok := pd.HarvestKVTransferParams(prefillBody); ok {
+			return "relayed"
+		}
+		return "none (passthrough)"
 	case plan.Mode == pd.ModeMooncake && len(plan.DecodeParams) > 0:
 		return "synthesized"
 	case plan.Mode == pd.ModeMoRIIO:

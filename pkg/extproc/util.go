@@ -1,6 +1,8 @@
 package extproc
 
 import (
+	"sync"
+
 	"bytes"
 	"context"
 	"errors"
@@ -58,4 +60,14 @@ func (d *Deps) record(w *workers.Worker, leg string, status int, transportErr bo
 		}
 		d.Metrics.WorkerErrors.WithLabelValues(leg, "http", et).Inc()
 	}
+}
+
+// active counts one in-flight leg on w (its load and smg_worker_requests_active);
+// the returned func releases it once.
+func (d *Deps) active(w *workers.Worker) func() {
+	release := w.Acquire()
+	g := d.Metrics.WorkerActive.WithLabelValues(w.URL)
+	g.Inc()
+	var once sync.Once
+	return func() { once.Do(func() { release(); g.Dec() }) }
 }

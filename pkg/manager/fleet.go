@@ -30,7 +30,15 @@ func FleetHooks(ctx context.Context, cfg FleetConfig, client *http.Client, m *fl
 			return fleet.DetectRuntime(ctx, client, baseURL, apiKey)
 		},
 		Attach: func(w *workers.Worker) func() {
-			b := fleet.NewBreaker(cfg.Breaker, time.Now, m.BreakerHooks(w.URL))
+			hooks := m.BreakerHooks(w.URL)
+			onT := hooks.OnTransition
+			hooks.OnTransition = func(from, to fleet.State) {
+				if onT != nil {
+					onT(from, to)
+				}
+				log.Warn().Str("url", w.URL).Str("from", from.String()).Str("to", to.String()).Msg("circuit breaker changed")
+			}
+			b := fleet.NewBreaker(cfg.Breaker, time.Now, hooks)
 			w.Allow = b.Allow
 			w.Outcome = func(status int, transportErr bool) {
 				b.Record(fleet.OutcomeForStatus(status, transportErr, nil, nil))

@@ -177,7 +177,7 @@ func (s *Selector) SelectPair(req policy.Request) (Pair, *apierr.Error) {
 	var pi int
 	if firstOut < 0 {
 		if pi = s.Prefill.Pick(ix.prefill, req); pi < 0 {
-			return Pair{}, apierr.New(503, apierr.CodeNoAvailableWorkers, msgPrefillDown)
+			return Pair{}, declined(s.Prefill, "prefill")
 		}
 	} else {
 		sc = s.getScratch()
@@ -196,7 +196,7 @@ func (s *Selector) SelectPair(req policy.Request) (Pair, *apierr.Error) {
 		k := s.Prefill.Pick(sc.prefill, req)
 		if k < 0 { // the policy declined (e.g. x-smg-target-worker unavailable)
 			s.putScratch(sc)
-			return Pair{}, apierr.New(503, apierr.CodeNoAvailableWorkers, msgPrefillDown)
+			return Pair{}, declined(s.Prefill, "prefill")
 		}
 		pi = sc.pos[k]
 	}
@@ -220,7 +220,7 @@ func (s *Selector) SelectPair(req policy.Request) (Pair, *apierr.Error) {
 		// Its last partner went down between the two reads.
 		aerr = apierr.New(503, apierr.CodeNoAvailableWorkers, msgDecodeDown)
 	} else if k := s.Decode.Pick(cands, req); k < 0 {
-		aerr = apierr.New(503, apierr.CodeNoAvailableWorkers, msgDecodeDown)
+		aerr = declined(s.Decode, "decode")
 	} else {
 		pair = Pair{Prefill: ix.prefill[pi], Decode: cands[k]}
 	}
@@ -228,6 +228,11 @@ func (s *Selector) SelectPair(req policy.Request) (Pair, *apierr.Error) {
 		s.putScratch(sc)
 	}
 	return pair, aerr
+}
+
+// declined is SMG's answer when a policy returns no selection.
+func declined(p policy.Policy, leg string) *apierr.Error {
+	return apierr.Newf(503, apierr.CodeNoAvailableWorkers, "Policy %s failed to select a %s worker", p.Name(), leg)
 }
 
 func firstUnavailable(ws []*workers.Worker, avail func(*workers.Worker) bool) int {

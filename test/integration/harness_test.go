@@ -118,6 +118,21 @@ type gwOpts struct {
 
 func startGateway(t testing.TB, o gwOpts) *Gateway {
 	t.Helper()
+	// Free ports are picked then released, so another process can take one
+	// first; a start that loses that race is retried on new ports.
+	for try := 0; ; try++ {
+		g, err := tryStartGateway(t, o)
+		if err == nil {
+			return g
+		}
+		if try == 2 || !strings.Contains(err.Error(), "address already in use") {
+			t.Fatal(err)
+		}
+	}
+}
+
+func tryStartGateway(t testing.TB, o gwOpts) (*Gateway, error) {
+	t.Helper()
 	port, prom := freePort(t), freePort(t)
 	args := []string{"launch", "--pd-disaggregation", "--host", "127.0.0.1", "--port", strconv.Itoa(port),
 		"--prometheus-port", strconv.Itoa(prom), "--envoy-path", envoyBin, "--log-level", "debug",
@@ -139,17 +154,11 @@ func startGateway(t testing.TB, o gwOpts) *Gateway {
 	g.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	require.NoError(t, g.cmd.Start())
 	go func() { _ = g.cmd.Wait(); close(g.exited) }()
-	t.Cleanup(func() {
-		g.Stop()
-		if t.Failed() {
-			t.Logf("gateway logs:\n%s", tail(g.logs.String(), 12000))
-		}
-	})
 	deadline := time.Now().Add(60 * time.Second)
 	for {
 		select {
 		case <-g.exited:
-			t.Fatalf("gateway exited during startup:\n%s", g.logs.String())
+			return nil, fmt.Errorf("gateway exited during startup:\n%s", g.logs.String())
 		default:
 		}
 		resp, err := http.Get(g.URL + "/liveness")
@@ -160,13 +169,20 @@ func startGateway(t testing.TB, o gwOpts) *Gateway {
 			}
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("gateway not ready in time:\n%s", g.logs.String())
+			g.Stop()
+			return nil, fmt.Errorf("gateway not ready in time:\n%s", g.logs.String())
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
+	t.Cleanup(func() {
+		g.Stop()
+		if t.Failed() {
+			t.Logf("gateway logs:\n%s", tail(g.logs.String(), 12000))
+		}
+	})
 	// Envoy reports LIVE only after its initial CDS/EDS fetch, so the decode
 	// cluster is in place once the gateway logs "gateway ready".
-	return g
+	return g, nil
 }
 
 // Stop sends SIGTERM and waits.
