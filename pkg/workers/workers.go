@@ -15,6 +15,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/smg-project/smg-extproc/pkg/pd"
 )
 
 // Type is a worker's role.
@@ -203,10 +205,8 @@ func New(spec Spec, resolve Resolver) (*Worker, error) {
 		return nil, fmt.Errorf("invalid worker url %q: %w", raw, err)
 	}
 	ip := pickIP(ips)
-	host := u.Hostname()
-	if strings.Contains(host, ":") {
-		host = "[" + host + "]"
-	}
+	// SMG's bootstrap-host rule (IPv6 keeps its brackets, "@rank" stripped).
+	_, _, host := pd.SplitWorkerURL(raw)
 	w := &Worker{
 		ID:            NewID(),
 		URL:           raw,
