@@ -3,6 +3,7 @@ package common
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"net/http"
 	"strconv"
 	"time"
@@ -131,4 +132,30 @@ func (s *SSE) write() error {
 		return s.rc.Flush()
 	}
 	return nil
+}
+
+// WriteMethodNotAllowed answers 405 {"detail":"Method Not Allowed"} with
+// "Allow: POST" (FastAPI's answer on a POST-only route).
+func WriteMethodNotAllowed(w http.ResponseWriter) {
+	w.Header().Set("Allow", http.MethodPost)
+	WriteJSON(w, http.StatusMethodNotAllowed, map[string]any{"detail": "Method Not Allowed"})
+}
+
+// BodyErrorStatus is the status for a ReadBody error: 413 for a body over
+// MaxBodyBytes, else 400.
+func BodyErrorStatus(err error) int {
+	if errors.Is(err, ErrBodyTooLarge) {
+		return http.StatusRequestEntityTooLarge
+	}
+	return http.StatusBadRequest
+}
+
+// WriteFailBody answers an injected failure: status with body, typed
+// application/json when body is valid JSON and text/plain otherwise.
+func WriteFailBody(w http.ResponseWriter, status int, body string) {
+	ct := "text/plain; charset=utf-8"
+	if json.Valid([]byte(body)) {
+		ct = "application/json"
+	}
+	WriteRaw(w, status, ct, []byte(body))
 }

@@ -137,3 +137,13 @@ func (l *RequestLog) Reset() {
 	l.total = 0
 	l.dropped = 0
 }
+
+// ReadRecord reads r's body (as ReadBody does) and records the request,
+// stamped with the time ReadRecord was called. The request is recorded even
+// when reading its body fails (with a nil body).
+func (l *RequestLog) ReadRecord(r *http.Request) ([]byte, error) {
+	now := time.Now()
+	body, err := ReadBody(r)
+	l.Record(r, body, now)
+	return body, err
+}

@@ -1,12 +1,13 @@
 package sglang
 
 import (
-	"bytes"
 	"encoding/json"
 	"fmt"
 	"time"
 
 	"github.com/rs/zerolog"
+
+	"github.com/smg-project/smg-extproc/pkg/fake/common"
 )
 
 // Mode is the fake's disaggregation mode (SGLang's --disaggregation-mode).
@@ -263,63 +264,30 @@ type ConfigPatch struct {
 
 // apply returns c with the patch applied (runtime knobs only).
 func (p ConfigPatch) apply(c Config) (Config, error) {
-	d := func(v *int64, dst *time.Duration) {
-		if v != nil {
-			*dst = time.Duration(*v) * time.Millisecond
-		}
-	}
-	if p.PageSize != nil {
-		c.PageSize = *p.PageSize
-	}
-	if p.KVCacheDtype != nil {
-		c.KVCacheDtype = *p.KVCacheDtype
-	}
+	common.PatchValue(p.PageSize, &c.PageSize)
+	common.PatchValue(p.KVCacheDtype, &c.KVCacheDtype)
 	if p.Strict != nil {
 		c.Lax = !*p.Strict
 	}
-	if p.FailStatus != nil {
-		if *p.FailStatus != 0 && (*p.FailStatus < 100 || *p.FailStatus > 599) {
-			return c, fmt.Errorf("fail_status %d is not an HTTP status", *p.FailStatus)
-		}
-		c.FailStatus = *p.FailStatus
+	if err := common.PatchFailStatus(p.FailStatus, &c.FailStatus); err != nil {
+		return c, err
 	}
-	if len(p.FailBody) > 0 {
-		raw := bytes.TrimSpace(p.FailBody)
-		var s string
-		if len(raw) > 0 && raw[0] == '"' {
-			if err := json.Unmarshal(raw, &s); err != nil {
-				return c, fmt.Errorf("fail_body: %w", err)
-			}
-			c.FailBody = s
-		} else if string(raw) == "null" {
-			c.FailBody = ""
-		} else {
-			c.FailBody = string(raw)
-		}
+	if err := common.PatchFailBody(p.FailBody, &c.FailBody); err != nil {
+		return c, err
 	}
-	if p.Hang != nil {
-		c.Hang = *p.Hang
-	}
-	d(p.HoldBodyOpenMS, &c.HoldBodyOpen)
-	d(p.PrefillMS, &c.PrefillDelay)
-	d(p.PerTokenMS, &c.PerTokenDelay)
-	d(p.TransferMS, &c.TransferDelay)
-	d(p.BootstrapTimeoutMS, &c.BootstrapTimeout)
-	d(p.WaitingTimeoutMS, &c.WaitingTimeout)
-	d(p.FetchRetryIntervalMS, &c.FetchRetryInterval)
-	d(p.HeartbeatIntervalMS, &c.HeartbeatInterval)
-	d(p.StartupMS, &c.StartupWindow)
-	if p.FetchAttempts != nil {
-		c.FetchAttempts = *p.FetchAttempts
-	}
-	if p.HeartbeatMaxFailures != nil {
-		c.HeartbeatMaxFailures = *p.HeartbeatMaxFailures
-	}
-	if p.EarlyStreamHead != nil {
-		c.EarlyStreamHead = *p.EarlyStreamHead
-	}
-	if p.DefaultMaxTokens != nil {
-		c.DefaultMaxTokens = *p.DefaultMaxTokens
-	}
+	common.PatchValue(p.Hang, &c.Hang)
+	common.PatchMS(p.HoldBodyOpenMS, &c.HoldBodyOpen)
+	common.PatchMS(p.PrefillMS, &c.PrefillDelay)
+	common.PatchMS(p.PerTokenMS, &c.PerTokenDelay)
+	common.PatchMS(p.TransferMS, &c.TransferDelay)
+	common.PatchMS(p.BootstrapTimeoutMS, &c.BootstrapTimeout)
+	common.PatchMS(p.WaitingTimeoutMS, &c.WaitingTimeout)
+	common.PatchMS(p.FetchRetryIntervalMS, &c.FetchRetryInterval)
+	common.PatchMS(p.HeartbeatIntervalMS, &c.HeartbeatInterval)
+	common.PatchMS(p.StartupMS, &c.StartupWindow)
+	common.PatchValue(p.FetchAttempts, &c.FetchAttempts)
+	common.PatchValue(p.HeartbeatMaxFailures, &c.HeartbeatMaxFailures)
+	common.PatchValue(p.EarlyStreamHead, &c.EarlyStreamHead)
+	common.PatchValue(p.DefaultMaxTokens, &c.DefaultMaxTokens)
 	return c.knobDefaults(), nil
 }

@@ -2,8 +2,6 @@ package sglang
 
 import (
 	"context"
-	"encoding/json"
-	"errors"
 	"fmt"
 	"net/http"
 	"strings"
@@ -29,34 +27,24 @@ var errClientGone = &apiError{status: 499, kind: errAbort, msg: "client disconne
 
 func (s *Server) engine(rt route) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
-		now := time.Now()
-		body, readErr := common.ReadBody(r)
-		s.requests.Record(r, body, now)
+		body, readErr := s.requests.ReadRecord(r)
 		s.inFlight.Add(1)
 		defer s.inFlight.Add(-1)
 		cfg := s.Config()
 		leg := string(cfg.Mode)
 
 		if r.Method != http.MethodPost && (rt != routeGenerate || r.Method != http.MethodPut) {
-			w.Header().Set("Allow", http.MethodPost)
-			common.WriteJSON(w, http.StatusMethodNotAllowed, map[string]any{"detail": "Method Not Allowed"})
+			common.WriteMethodNotAllowed(w)
 			return
 		}
 		if readErr != nil {
-			status := http.StatusBadRequest
-			if errors.Is(readErr, common.ErrBodyTooLarge) {
-				status = http.StatusRequestEntityTooLarge
-			}
+			status := common.BodyErrorStatus(readErr)
 			common.WriteJSON(w, status, common.ObjectError(status, http.StatusText(status), readErr.Error()))
 			return
 		}
 		if cfg.FailStatus != 0 {
 			s.event(leg, "", nil, "fault_fail", fmt.Sprintf("%s -> %d", rt, cfg.FailStatus))
-			ct := "text/plain; charset=utf-8"
-			if json.Valid([]byte(cfg.FailBody)) {
-				ct = "application/json"
-			}
-			common.WriteRaw(w, cfg.FailStatus, ct, []byte(cfg.FailBody))
+			common.WriteFailBody(w, cfg.FailStatus, cfg.FailBody)
 			return
 		}
 		if cfg.Hang {

@@ -571,27 +571,18 @@ func (p *responder) messages(o *outcome) any {
 func (p *responder) streamMessages(ctx context.Context, o *outcome) error {
 	start := p.messageObj(o, "", nil, 0)
 	start["content"] = []any{}
-	if err := p.sse.Event("message_start", map[string]any{"type": "message_start", "message": start}); err != nil {
-		return err
-	}
-	if err := p.sse.Event("content_block_start", map[string]any{"type": "content_block_start", "index": 0, "content_block": map[string]any{"type": "text", "text": ""}}); err != nil {
+	if err := p.sse.MessageStart(start); err != nil {
 		return err
 	}
 	for t, tok := range o.tokens {
 		if err := p.step(ctx, t); err != nil {
 			return err
 		}
-		if err := p.sse.Event("content_block_delta", map[string]any{"type": "content_block_delta", "index": 0, "delta": map[string]any{"type": "text_delta", "text": tok.Piece(t)}}); err != nil {
+		if err := p.sse.MessageText(tok.Piece(t)); err != nil {
 			return err
 		}
 	}
-	if err := p.sse.Event("content_block_stop", map[string]any{"type": "content_block_stop", "index": 0}); err != nil {
-		return err
-	}
-	if err := p.sse.Event("message_delta", map[string]any{"type": "message_delta", "delta": map[string]any{"stop_reason": "max_tokens", "stop_sequence": nil}, "usage": map[string]any{"output_tokens": len(o.tokens)}}); err != nil {
-		return err
-	}
-	return p.sse.Event("message_stop", map[string]any{"type": "message_stop"})
+	return p.sse.MessageEnd("max_tokens", nil, map[string]any{"output_tokens": len(o.tokens)})
 }
 
 // ---- /v1/responses ----
@@ -620,13 +611,7 @@ func (p *responder) responses(o *outcome) any {
 }
 
 func (p *responder) streamResponses(ctx context.Context, o *outcome) error {
-	seq := 0
-	ev := func(name string, v map[string]any) error {
-		v["type"] = name
-		v["sequence_number"] = seq
-		seq++
-		return p.sse.Event(name, v)
-	}
+	ev := p.sse.SequencedEvents()
 	if err := ev("response.created", map[string]any{"response": p.responseObj(o, "in_progress", nil)}); err != nil {
 		return err
 	}

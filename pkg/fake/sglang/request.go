@@ -111,50 +111,14 @@ type request struct {
 
 type object map[string]json.RawMessage
 
-func isNull(raw json.RawMessage) bool {
-	raw = bytes.TrimSpace(raw)
-	return len(raw) == 0 || string(raw) == "null"
-}
-
-func firstByte(raw json.RawMessage) byte {
-	raw = bytes.TrimSpace(raw)
-	if len(raw) == 0 {
-		return 0
-	}
-	return raw[0]
-}
-
-func jsonType(raw json.RawMessage) string {
-	switch c := firstByte(raw); {
-	case c == '"':
-		return "str"
-	case c == '{':
-		return "dict"
-	case c == '[':
-		return "list"
-	case c == 't' || c == 'f':
-		return "bool"
-	case c == 'n' || c == 0:
-		return "NoneType"
-	case strings.ContainsAny(string(bytes.TrimSpace(raw)), ".eE"):
-		return "float"
-	default:
-		return "int"
-	}
-}
-
 func fieldErr(field, msg string, raw json.RawMessage) *apiError {
-	in := string(bytes.TrimSpace(raw))
-	if len(in) > 80 {
-		in = in[:80] + "..."
-	}
-	return validationErr("1 validation error: body.%s: %s [input_value=%s, input_type=%s]", field, msg, in, jsonType(raw))
+	return validationErr("1 validation error: body.%s: %s [input_value=%s, input_type=%s]", field, msg, common.InputValue(raw), common.JSONType(raw))
 }
 
 // intField parses an optional integer field; ok=false when absent or null.
 func intField(o object, field string) (int64, bool, *apiError) {
 	raw, present := o[field]
-	if !present || isNull(raw) {
+	if !present || common.IsNull(raw) {
 		return 0, false, nil
 	}
 	v, err := strconv.ParseInt(string(bytes.TrimSpace(raw)), 10, 64)
@@ -166,7 +130,7 @@ func intField(o object, field string) (int64, bool, *apiError) {
 
 func boolField(o object, field string) (bool, *apiError) {
 	raw, present := o[field]
-	if !present || isNull(raw) {
+	if !present || common.IsNull(raw) {
 		return false, nil
 	}
 	var b bool
@@ -178,7 +142,7 @@ func boolField(o object, field string) (bool, *apiError) {
 
 func stringField(o object, field string) (string, bool, *apiError) {
 	raw, present := o[field]
-	if !present || isNull(raw) {
+	if !present || common.IsNull(raw) {
 		return "", false, nil
 	}
 	var s string
@@ -190,11 +154,11 @@ func stringField(o object, field string) (string, bool, *apiError) {
 
 func objectField(o object, field string) (object, *apiError) {
 	raw, present := o[field]
-	if !present || isNull(raw) {
+	if !present || common.IsNull(raw) {
 		return nil, nil
 	}
 	var sub object
-	if firstByte(raw) != '{' || json.Unmarshal(raw, &sub) != nil {
+	if common.FirstByte(raw) != '{' || json.Unmarshal(raw, &sub) != nil {
 		return nil, fieldErr(field, "Input should be a valid dictionary", raw)
 	}
 	return sub, nil
@@ -213,8 +177,8 @@ func checkContentType(ct string) *apiError {
 // apply the PD checks (missing room, duplicates) that depend on the mode.
 func parseRequest(rt route, body []byte, cfg Config, fallbackRID string) (*request, *apiError) {
 	var o object
-	if firstByte(body) != '{' || json.Unmarshal(body, &o) != nil {
-		return nil, validationErr("1 validation error: body: Input should be a valid dictionary or object to extract fields from [input_type=%s]", jsonType(body))
+	if common.FirstByte(body) != '{' || json.Unmarshal(body, &o) != nil {
+		return nil, validationErr("1 validation error: body: Input should be a valid dictionary or object to extract fields from [input_type=%s]", common.JSONType(body))
 	}
 	req := &request{route: rt, b: 1, n: 1, model: cfg.Model, returnDocs: true}
 	for _, k := range []string{"bootstrap_host", "bootstrap_port", "bootstrap_room"} {
@@ -232,7 +196,7 @@ func parseRequest(rt route, body []byte, cfg Config, fallbackRID string) (*reque
 		return nil, err
 	}
 	req.rid = fallbackRID
-	if raw, ok := o["rid"]; ok && !isNull(raw) {
+	if raw, ok := o["rid"]; ok && !common.IsNull(raw) {
 		var s string
 		var list []string
 		switch {
@@ -312,8 +276,8 @@ func nField(o object, req *request) *apiError {
 func parseGenerate(o object, req *request, maxTokens *int64) *apiError {
 	text, hasText := o["text"]
 	ids, hasIDs := o["input_ids"]
-	hasText = hasText && !isNull(text)
-	hasIDs = hasIDs && !isNull(ids)
+	hasText = hasText && !common.IsNull(text)
+	hasIDs = hasIDs && !common.IsNull(ids)
 	if hasText == hasIDs {
 		return abortErr(400, "Either text, input_ids or input_embeds should be provided.")
 	}
@@ -363,7 +327,7 @@ func parseGenerate(o object, req *request, maxTokens *int64) *apiError {
 			return err
 		}
 	}
-	if raw, ok := o["return_logprob"]; ok && !isNull(raw) {
+	if raw, ok := o["return_logprob"]; ok && !common.IsNull(raw) {
 		var b bool
 		var list []bool
 		switch {
@@ -393,36 +357,23 @@ func streamOptions(o object, req *request) *apiError {
 
 // contentText extracts text from a string or an array of content parts.
 func contentText(raw json.RawMessage, field string) (string, *apiError) {
-	if isNull(raw) {
-		return "", nil
-	}
-	var s string
-	if json.Unmarshal(raw, &s) == nil {
-		return s, nil
-	}
-	var parts []object
-	if json.Unmarshal(raw, &parts) != nil {
+	text, ok := common.ContentText(raw)
+	if !ok {
 		return "", fieldErr(field, "Input should be a valid string or list of content parts", raw)
 	}
-	var texts []string
-	for _, p := range parts {
-		if t, ok, _ := stringField(p, "text"); ok {
-			texts = append(texts, t)
-		}
-	}
-	return strings.Join(texts, "\n"), nil
+	return text, nil
 }
 
 func messagesText(o object, field string, required bool) (string, *apiError) {
 	raw, ok := o[field]
-	if !ok || isNull(raw) {
+	if !ok || common.IsNull(raw) {
 		if required {
 			return "", fieldErr(field, "Field required", nil)
 		}
 		return "", nil
 	}
 	var msgs []object
-	if firstByte(raw) != '[' || json.Unmarshal(raw, &msgs) != nil {
+	if common.FirstByte(raw) != '[' || json.Unmarshal(raw, &msgs) != nil {
 		return "", fieldErr(field, "Input should be a valid list of message objects", raw)
 	}
 	if len(msgs) == 0 && required {
@@ -462,7 +413,7 @@ func parseChat(o object, req *request, maxTokens *int64) *apiError {
 
 func parseCompletions(o object, req *request, maxTokens *int64) *apiError {
 	raw, ok := o["prompt"]
-	if !ok || isNull(raw) {
+	if !ok || common.IsNull(raw) {
 		return fieldErr("prompt", "Field required", nil)
 	}
 	var s string
@@ -472,7 +423,7 @@ func parseCompletions(o object, req *request, maxTokens *int64) *apiError {
 	switch {
 	case json.Unmarshal(raw, &s) == nil:
 		req.prompts = [][]int{common.Tokenize(s)}
-	case json.Unmarshal(raw, &strs) == nil && (len(strs) > 0 || firstByte(raw) == '['):
+	case json.Unmarshal(raw, &strs) == nil && (len(strs) > 0 || common.FirstByte(raw) == '['):
 		if len(strs) == 0 {
 			return abortErr(400, "prompt must not be empty")
 		}
@@ -503,7 +454,7 @@ func parseCompletions(o object, req *request, maxTokens *int64) *apiError {
 	if err := nField(o, req); err != nil {
 		return err
 	}
-	if raw, ok := o["logprobs"]; ok && !isNull(raw) {
+	if raw, ok := o["logprobs"]; ok && !common.IsNull(raw) {
 		if _, _, err := intField(o, "logprobs"); err != nil {
 			return err
 		}
@@ -530,7 +481,7 @@ func parseMessages(o object, req *request, maxTokens *int64) *apiError {
 
 func parseResponses(o object, req *request, maxTokens *int64) *apiError {
 	raw, ok := o["input"]
-	if !ok || isNull(raw) {
+	if !ok || common.IsNull(raw) {
 		return fieldErr("input", "Field required", nil)
 	}
 	var text string
@@ -575,7 +526,7 @@ func parseRerank(o object, req *request) *apiError {
 		return fieldErr("query", "Field required", nil)
 	}
 	raw, present := o["documents"]
-	if !present || isNull(raw) {
+	if !present || common.IsNull(raw) {
 		return fieldErr("documents", "Field required", nil)
 	}
 	if json.Unmarshal(raw, &req.docs) != nil {
@@ -584,7 +535,7 @@ func parseRerank(o object, req *request) *apiError {
 	if len(req.docs) == 0 {
 		return abortErr(400, "documents must not be empty")
 	}
-	if raw, ok := o["return_documents"]; ok && !isNull(raw) {
+	if raw, ok := o["return_documents"]; ok && !common.IsNull(raw) {
 		if req.returnDocs, err = boolField(o, "return_documents"); err != nil {
 			return err
 		}
@@ -607,9 +558,9 @@ func parseRoom(raw json.RawMessage, field string, lax bool) (uint64, *apiError) 
 	lit := string(raw)
 	typeErr := func() *apiError {
 		return validationErr("2 validation errors: body.%s.list[int]: Input should be a valid list [type=list_type]; body.%s.int: Input should be a valid integer, unable to parse %s as an integer [type=int_parsing, input_value=%s]",
-			field, field, jsonType(raw), lit)
+			field, field, common.JSONType(raw), lit)
 	}
-	switch c := firstByte(raw); {
+	switch c := common.FirstByte(raw); {
 	case c == '"':
 		if !lax {
 			return 0, typeErr()
@@ -710,8 +661,8 @@ func expandItems(o object, req *request, cfg Config) *apiError {
 	lax := cfg.Lax
 
 	// bootstrap_room
-	if raw, ok := o["bootstrap_room"]; ok && !isNull(raw) {
-		if firstByte(raw) == '[' {
+	if raw, ok := o["bootstrap_room"]; ok && !common.IsNull(raw) {
+		if common.FirstByte(raw) == '[' {
 			var list []json.RawMessage
 			if json.Unmarshal(raw, &list) != nil {
 				return fieldErr("bootstrap_room", "Input should be a valid list", raw)
@@ -722,7 +673,7 @@ func expandItems(o object, req *request, cfg Config) *apiError {
 			}
 			for i := range req.items {
 				v := list[idx[i]]
-				if isNull(v) {
+				if common.IsNull(v) {
 					continue
 				}
 				r, err := parseRoom(v, fmt.Sprintf("bootstrap_room.%d", idx[i]), lax)
@@ -750,7 +701,7 @@ func expandItems(o object, req *request, cfg Config) *apiError {
 	}
 
 	// bootstrap_host
-	if raw, ok := o["bootstrap_host"]; ok && !isNull(raw) {
+	if raw, ok := o["bootstrap_host"]; ok && !common.IsNull(raw) {
 		var s string
 		var list []*string
 		switch {
@@ -774,8 +725,8 @@ func expandItems(o object, req *request, cfg Config) *apiError {
 	}
 
 	// bootstrap_port
-	if raw, ok := o["bootstrap_port"]; ok && !isNull(raw) {
-		if firstByte(raw) == '[' {
+	if raw, ok := o["bootstrap_port"]; ok && !common.IsNull(raw) {
+		if common.FirstByte(raw) == '[' {
 			var list []json.RawMessage
 			if json.Unmarshal(raw, &list) != nil {
 				return fieldErr("bootstrap_port", "Input should be a valid list", raw)
@@ -786,7 +737,7 @@ func expandItems(o object, req *request, cfg Config) *apiError {
 			}
 			for i := range req.items {
 				v := list[idx[i]]
-				if isNull(v) {
+				if common.IsNull(v) {
 					continue
 				}
 				p, err := parsePort(v, fmt.Sprintf("bootstrap_port.%d", idx[i]), lax)
@@ -814,7 +765,7 @@ func expandItems(o object, req *request, cfg Config) *apiError {
 
 func parsePort(raw json.RawMessage, field string, lax bool) (int, *apiError) {
 	lit := string(bytes.TrimSpace(raw))
-	if lax && firstByte(raw) == '"' {
+	if lax && common.FirstByte(raw) == '"' {
 		var s string
 		if json.Unmarshal(raw, &s) == nil {
 			lit = strings.TrimSpace(s)

@@ -2,13 +2,10 @@ package sglang
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"math/rand/v2"
 	"net"
 	"net/http"
-	"strconv"
-	"sync"
 	"sync/atomic"
 	"time"
 
@@ -22,10 +19,8 @@ import (
 type Server struct {
 	log zerolog.Logger
 
-	cfgMu        sync.RWMutex
-	cfg          Config
-	initial      Config
-	startupUntil time.Time
+	settings *common.Settings[Config]
+	life     *common.Lifecycle
 
 	requests *common.RequestLog
 	events   *common.EventLog
@@ -34,23 +29,8 @@ type Server struct {
 	client   *http.Client
 	tr       *http.Transport
 
-	engineSrv *http.Server
-	bootSrv   *http.Server
-	engineLn  net.Listener
-	bootLn    net.Listener
-	url       string
-	bootPort  int
-
-	baseCtx   context.Context
-	cancel    context.CancelFunc
-	wg        sync.WaitGroup // serve loops and the ctx watcher
-	hmu       sync.Mutex
-	closing   bool
-	handlers  sync.WaitGroup // in-flight handlers
-	started   atomic.Bool
-	closeOnce sync.Once
-	closeErr  error
-	closed    chan struct{}
+	url      string
+	bootPort int
 
 	seq             atomic.Uint64
 	inFlight        atomic.Int64
@@ -76,135 +56,53 @@ func New(cfg Config) *Server {
 	}
 	return &Server{
 		log:      log,
-		cfg:      cfg,
-		initial:  cfg,
+		settings: common.NewSettings(cfg, func(c Config) time.Duration { return c.StartupWindow }),
+		life:     common.NewLifecycle("sglang fake", tr.CloseIdleConnections),
 		requests: common.NewRequestLog(cfg.MaxRecorded),
 		events:   common.NewEventLog(cfg.MaxRecorded),
 		rooms:    newRoomTable(4096),
 		dRooms:   newDecodeRooms(4096),
 		tr:       tr,
 		client:   &http.Client{Transport: tr},
-		closed:   make(chan struct{}),
 	}
 }
 
 // Start binds the listeners and serves in the background. The server runs
 // until Close is called or ctx is done.
 func (s *Server) Start(ctx context.Context) error {
-	if !s.started.CompareAndSwap(false, true) {
-		return errors.New("sglang fake: already started")
+	if err := s.life.Begin(); err != nil {
+		return err
 	}
 	cfg := s.Config()
 	if err := cfg.validate(); err != nil {
 		return err
 	}
-	var lc net.ListenConfig
-	ln, err := lc.Listen(ctx, "tcp", net.JoinHostPort(cfg.Host, strconv.Itoa(cfg.HTTPPort)))
+	ln, httpPort, err := common.ListenTCP(ctx, cfg.Host, cfg.HTTPPort)
 	if err != nil {
 		return fmt.Errorf("sglang fake: listen http: %w", err)
 	}
-	s.engineLn = ln
-	httpPort := ln.Addr().(*net.TCPAddr).Port
-	s.url = "http://" + net.JoinHostPort(cfg.Host, strconv.Itoa(httpPort))
+	lns := []common.Listener{{Ln: ln, Handler: s.engineMux()}}
+	s.url = common.HTTPURL(cfg.Host, httpPort)
 	s.bootPort = cfg.BootstrapPort
 	if cfg.Mode == Prefill {
-		bln, err := lc.Listen(ctx, "tcp", net.JoinHostPort(cfg.Host, strconv.Itoa(cfg.BootstrapPort)))
+		bln, bootPort, err := common.ListenTCP(ctx, cfg.Host, cfg.BootstrapPort)
 		if err != nil {
 			_ = ln.Close()
 			return fmt.Errorf("sglang fake: listen bootstrap: %w", err)
 		}
-		s.bootLn = bln
-		s.bootPort = bln.Addr().(*net.TCPAddr).Port
+		lns = append(lns, common.Listener{Ln: bln, Handler: s.bootstrapMux()})
+		s.bootPort = bootPort
 	}
-	s.cfgMu.Lock()
-	s.cfg.HTTPPort, s.cfg.BootstrapPort = httpPort, s.bootPort
-	s.initial.HTTPPort, s.initial.BootstrapPort = httpPort, s.bootPort
-	s.startupUntil = time.Now().Add(s.cfg.StartupWindow)
-	s.cfgMu.Unlock()
-
-	s.baseCtx, s.cancel = context.WithCancel(context.WithoutCancel(ctx))
-	base := func(net.Listener) context.Context { return s.baseCtx }
-	s.engineSrv = &http.Server{Handler: s.track(s.engineMux()), BaseContext: base, ReadHeaderTimeout: 10 * time.Second}
-	s.serve(s.engineSrv, s.engineLn)
-	if s.bootLn != nil {
-		s.bootSrv = &http.Server{Handler: s.track(s.bootstrapMux()), BaseContext: base, ReadHeaderTimeout: 10 * time.Second}
-		s.serve(s.bootSrv, s.bootLn)
-	}
-	s.wg.Add(1)
-	go func() {
-		defer s.wg.Done()
-		select {
-		case <-ctx.Done():
-			go func() { _ = s.Close() }()
-		case <-s.closed:
-		}
-	}()
+	s.settings.Started(func(c *Config) { c.HTTPPort, c.BootstrapPort = httpPort, s.bootPort })
+	s.life.Serve(ctx, s.log, lns...)
 	s.log.Info().Str("url", s.url).Int("bootstrap_port", s.bootPort).Msg("fake sglang listening")
 	return nil
-}
-
-func (s *Server) serve(srv *http.Server, ln net.Listener) {
-	s.wg.Add(1)
-	go func() {
-		defer s.wg.Done()
-		if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
-			s.log.Error().Err(err).Msg("serve")
-		}
-	}()
-}
-
-// track counts in-flight handlers so Close can wait for them.
-func (s *Server) track(h http.Handler) http.Handler {
-	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		s.hmu.Lock()
-		if s.closing {
-			s.hmu.Unlock()
-			w.WriteHeader(http.StatusServiceUnavailable)
-			return
-		}
-		s.handlers.Add(1)
-		s.hmu.Unlock()
-		defer s.handlers.Done()
-		h.ServeHTTP(w, r)
-	})
 }
 
 // Close stops both listeners, cancels every in-flight request (its client
 // sees the connection close) and waits for the server's goroutines. It is
 // safe to call more than once.
-func (s *Server) Close() error {
-	s.closeOnce.Do(func() {
-		close(s.closed)
-		if !s.started.Load() || s.cancel == nil {
-			return
-		}
-		s.hmu.Lock()
-		s.closing = true
-		s.hmu.Unlock()
-		s.cancel()
-		// Handlers wake up on the cancelled base context; give them a moment
-		// to finish their answers, then close whatever is left (including
-		// connections that never sent a request, which Shutdown would wait
-		// 5 s for).
-		ctx, cancel := context.WithTimeout(context.Background(), 250*time.Millisecond)
-		defer cancel()
-		for _, srv := range []*http.Server{s.engineSrv, s.bootSrv} {
-			if srv == nil {
-				continue
-			}
-			if err := srv.Shutdown(ctx); err != nil && !errors.Is(err, context.DeadlineExceeded) {
-				s.closeErr = errors.Join(s.closeErr, err)
-			}
-			if err := srv.Close(); err != nil {
-				s.closeErr = errors.Join(s.closeErr, err)
-			}
-		}
-		s.handlers.Wait()
-		s.tr.CloseIdleConnections()
-		s.wg.Wait()
-	})
-	return s.closeErr
-}
+func (s *Server) Close() error { return s.life.Close() }
 
 // URL is the engine API base URL, e.g. "http://127.0.0.1:31000".
 func (s *Server) URL() string { return s.url }
@@ -217,50 +115,28 @@ func (s *Server) BootstrapPort() int { return s.bootPort }
 func (s *Server) Mode() Mode { return s.Config().Mode }
 
 // Config returns the effective configuration.
-func (s *Server) Config() Config {
-	s.cfgMu.RLock()
-	defer s.cfgMu.RUnlock()
-	return s.cfg
-}
+func (s *Server) Config() Config { return s.settings.Get() }
 
 // UpdateConfig changes the runtime knobs (the fields after "Runtime knobs" in
 // Config); changes to the other fields are ignored. It returns the result.
 func (s *Server) UpdateConfig(fn func(*Config)) Config {
-	s.cfgMu.Lock()
-	defer s.cfgMu.Unlock()
-	c := s.cfg
-	fn(&c)
-	c = c.knobDefaults()
-	old := s.cfg
-	c.Mode, c.Host, c.HTTPPort, c.BootstrapPort, c.Model = old.Mode, old.Host, old.HTTPPort, old.BootstrapPort, old.Model
-	c.TPSize, c.DPSize, c.TransferBackend = old.TPSize, old.DPSize, old.TransferBackend
-	c.MaxRunningRequests, c.ContextLength, c.MaxRecorded, c.Logger = old.MaxRunningRequests, old.ContextLength, old.MaxRecorded, nil
-	if c.StartupWindow != old.StartupWindow {
-		s.startupUntil = time.Now().Add(c.StartupWindow)
-	}
-	s.cfg = c
+	c, _ := s.settings.Update(func(old Config) (Config, error) {
+		c := old
+		fn(&c)
+		c = c.knobDefaults()
+		c.Mode, c.Host, c.HTTPPort, c.BootstrapPort, c.Model = old.Mode, old.Host, old.HTTPPort, old.BootstrapPort, old.Model
+		c.TPSize, c.DPSize, c.TransferBackend = old.TPSize, old.DPSize, old.TransferBackend
+		c.MaxRunningRequests, c.ContextLength, c.MaxRecorded, c.Logger = old.MaxRunningRequests, old.ContextLength, old.MaxRecorded, nil
+		return c, nil
+	}, func(old, c Config) bool { return c.StartupWindow != old.StartupWindow })
 	return c
 }
 
 func (s *Server) patchConfig(p ConfigPatch) (Config, error) {
-	s.cfgMu.Lock()
-	defer s.cfgMu.Unlock()
-	c, err := p.apply(s.cfg)
-	if err != nil {
-		return s.cfg, err
-	}
-	if p.StartupMS != nil {
-		s.startupUntil = time.Now().Add(c.StartupWindow)
-	}
-	s.cfg = c
-	return c, nil
+	return s.settings.Update(p.apply, func(_, _ Config) bool { return p.StartupMS != nil })
 }
 
-func (s *Server) starting() bool {
-	s.cfgMu.RLock()
-	defer s.cfgMu.RUnlock()
-	return time.Now().Before(s.startupUntil)
-}
+func (s *Server) starting() bool { return s.settings.Starting() }
 
 // Requests returns every request received on engine routes (oldest first;
 // bounded by Config.MaxRecorded).
@@ -276,10 +152,7 @@ func (s *Server) Reset() {
 	s.events.Reset()
 	s.rooms.resetMemory()
 	s.dRooms.resetMemory()
-	s.cfgMu.Lock()
-	s.cfg = s.initial
-	s.startupUntil = time.Time{}
-	s.cfgMu.Unlock()
+	s.settings.Reset()
 }
 
 func (s *Server) event(leg, rid string, room *uint64, outcome, detail string) {

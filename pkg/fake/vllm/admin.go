@@ -1,9 +1,7 @@
 package vllm
 
 import (
-	"encoding/json"
 	"fmt"
-	"io"
 	"net/http"
 	"strings"
 	"time"
@@ -84,46 +82,17 @@ func (s *Server) engineMux() http.Handler {
 		common.WriteJSON(w, http.StatusNotFound, map[string]string{"detail": "Not Found"})
 	})
 
-	mux.HandleFunc("GET /_fake/requests", func(w http.ResponseWriter, r *http.Request) {
-		reqs := s.Requests()
-		if p := r.URL.Query().Get("path"); p != "" {
-			kept := reqs[:0]
-			for _, rr := range reqs {
-				if rr.Path == p {
-					kept = append(kept, rr)
-				}
-			}
-			reqs = kept
-		}
-		common.WriteJSON(w, http.StatusOK, reqs)
-	})
-	mux.HandleFunc("GET /_fake/events", func(w http.ResponseWriter, _ *http.Request) {
-		common.WriteJSON(w, http.StatusOK, s.Events())
-	})
-	mux.HandleFunc("GET /_fake/state", func(w http.ResponseWriter, _ *http.Request) {
-		common.WriteJSON(w, http.StatusOK, s.State())
-	})
-	mux.HandleFunc("GET /_fake/config", func(w http.ResponseWriter, _ *http.Request) {
-		common.WriteJSON(w, http.StatusOK, s.Config().view())
-	})
-	mux.HandleFunc("POST /_fake/config", func(w http.ResponseWriter, r *http.Request) {
-		var p ConfigPatch
-		dec := json.NewDecoder(io.LimitReader(r.Body, 1<<20))
-		dec.DisallowUnknownFields()
-		if err := dec.Decode(&p); err != nil {
-			common.WriteJSON(w, http.StatusBadRequest, common.NestedError(400, "BadRequestError", "bad config patch: "+err.Error()))
-			return
-		}
-		cfg, err := s.patchConfig(p)
-		if err != nil {
-			common.WriteJSON(w, http.StatusBadRequest, common.NestedError(400, "BadRequestError", err.Error()))
-			return
-		}
-		common.WriteJSON(w, http.StatusOK, cfg.view())
-	})
-	mux.HandleFunc("POST /_fake/reset", func(w http.ResponseWriter, _ *http.Request) {
-		s.Reset()
-		common.WriteJSON(w, http.StatusOK, map[string]bool{"ok": true})
+	common.HandleIntrospection(mux, common.Introspection[ConfigPatch]{
+		Requests: s.Requests,
+		Events:   s.Events,
+		State:    func() any { return s.State() },
+		Config:   func() any { return s.Config().view() },
+		Patch: func(p ConfigPatch) (any, error) {
+			cfg, err := s.patchConfig(p)
+			return cfg.view(), err
+		},
+		Reset:      s.Reset,
+		BadRequest: func(msg string) any { return common.NestedError(400, "BadRequestError", msg) },
 	})
 	return mux
 }

@@ -1,13 +1,14 @@
 package vllm
 
 import (
-	"bytes"
 	"encoding/json"
 	"fmt"
 	"strings"
 	"time"
 
 	"github.com/rs/zerolog"
+
+	"github.com/smg-project/smg-extproc/pkg/fake/common"
 )
 
 // Role is vLLM's kv_transfer_config.kv_role.
@@ -387,11 +388,6 @@ type ConfigPatch struct {
 
 // apply returns c with the patch applied (runtime knobs only).
 func (p ConfigPatch) apply(c Config) (Config, error) {
-	d := func(v *int64, dst *time.Duration) {
-		if v != nil {
-			*dst = time.Duration(*v) * time.Millisecond
-		}
-	}
 	if p.Strict != nil {
 		c.Lax = !*p.Strict
 	}
@@ -401,44 +397,21 @@ func (p ConfigPatch) apply(c Config) (Config, error) {
 		}
 		c.KVLoadFailurePolicy = *p.KVLoadFailurePolicy
 	}
-	if p.FailStatus != nil {
-		if *p.FailStatus != 0 && (*p.FailStatus < 100 || *p.FailStatus > 599) {
-			return c, fmt.Errorf("fail_status %d is not an HTTP status", *p.FailStatus)
-		}
-		c.FailStatus = *p.FailStatus
+	if err := common.PatchFailStatus(p.FailStatus, &c.FailStatus); err != nil {
+		return c, err
 	}
-	if len(p.FailBody) > 0 {
-		raw := bytes.TrimSpace(p.FailBody)
-		switch {
-		case len(raw) > 0 && raw[0] == '"':
-			var s string
-			if err := json.Unmarshal(raw, &s); err != nil {
-				return c, fmt.Errorf("fail_body: %w", err)
-			}
-			c.FailBody = s
-		case string(raw) == "null":
-			c.FailBody = ""
-		default:
-			c.FailBody = string(raw)
-		}
+	if err := common.PatchFailBody(p.FailBody, &c.FailBody); err != nil {
+		return c, err
 	}
-	if p.Hang != nil {
-		c.Hang = *p.Hang
-	}
-	d(p.PrefillMS, &c.PrefillDelay)
-	d(p.PerTokenMS, &c.PerTokenDelay)
-	d(p.TransferMS, &c.TransferDelay)
-	d(p.AbortRequestTimeoutMS, &c.AbortRequestTimeout)
-	d(p.TransferTimeoutMS, &c.TransferTimeout)
-	d(p.StartupMS, &c.StartupWindow)
-	if p.EOSAt != nil {
-		c.EOSAt = *p.EOSAt
-	}
-	if p.DefaultMaxTokens != nil {
-		c.DefaultMaxTokens = *p.DefaultMaxTokens
-	}
-	if p.DevMode != nil {
-		c.DevMode = *p.DevMode
-	}
+	common.PatchValue(p.Hang, &c.Hang)
+	common.PatchMS(p.PrefillMS, &c.PrefillDelay)
+	common.PatchMS(p.PerTokenMS, &c.PerTokenDelay)
+	common.PatchMS(p.TransferMS, &c.TransferDelay)
+	common.PatchMS(p.AbortRequestTimeoutMS, &c.AbortRequestTimeout)
+	common.PatchMS(p.TransferTimeoutMS, &c.TransferTimeout)
+	common.PatchMS(p.StartupMS, &c.StartupWindow)
+	common.PatchValue(p.EOSAt, &c.EOSAt)
+	common.PatchValue(p.DefaultMaxTokens, &c.DefaultMaxTokens)
+	common.PatchValue(p.DevMode, &c.DevMode)
 	return c.knobDefaults(), nil
 }

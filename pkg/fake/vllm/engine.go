@@ -2,12 +2,10 @@ package vllm
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"net/http"
 	"strings"
-	"time"
 
 	"github.com/smg-project/smg-extproc/pkg/fake/common"
 )
@@ -62,23 +60,16 @@ type prefillReg interface {
 
 func (s *Server) engine(rt route) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
-		now := time.Now()
-		body, readErr := common.ReadBody(r)
-		s.requests.Record(r, body, now)
+		body, readErr := s.requests.ReadRecord(r)
 		s.inFlight.Add(1)
 		defer s.inFlight.Add(-1)
 
 		if r.Method != http.MethodPost {
-			w.Header().Set("Allow", http.MethodPost)
-			common.WriteJSON(w, http.StatusMethodNotAllowed, map[string]any{"detail": "Method Not Allowed"})
+			common.WriteMethodNotAllowed(w)
 			return
 		}
 		if readErr != nil {
-			status := http.StatusBadRequest
-			if errors.Is(readErr, common.ErrBodyTooLarge) {
-				status = http.StatusRequestEntityTooLarge
-			}
-			writeErr(w, rt, errf(status, "%s", readErr.Error()))
+			writeErr(w, rt, errf(common.BodyErrorStatus(readErr), "%s", readErr.Error()))
 			return
 		}
 		cfg := s.Config()
@@ -89,11 +80,7 @@ func (s *Server) engine(rt route) http.HandlerFunc {
 		}
 		if cfg.FailStatus != 0 {
 			s.event("engine", "", "", "fault_fail", fmt.Sprintf("%s -> %d", rt, cfg.FailStatus))
-			ct := "text/plain; charset=utf-8"
-			if json.Valid([]byte(cfg.FailBody)) {
-				ct = "application/json"
-			}
-			common.WriteRaw(w, cfg.FailStatus, ct, []byte(cfg.FailBody))
+			common.WriteFailBody(w, cfg.FailStatus, cfg.FailBody)
 			return
 		}
 		if cfg.Hang {

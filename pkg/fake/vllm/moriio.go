@@ -395,7 +395,7 @@ func claimMismatch(e *moriEntry, m *moriMsg) string {
 	switch {
 	case m.EngineID != nil && *m.EngineID != e.engineID:
 		return fmt.Sprintf("remote_engine_id %q is not the prefill's engine %q", *m.EngineID, e.engineID)
-	case len(m.BlockIDs) > 0 && !isNull(m.BlockIDs) && !sameJSON(m.BlockIDs, e.blocks):
+	case len(m.BlockIDs) > 0 && !common.IsNull(m.BlockIDs) && !sameJSON(m.BlockIDs, e.blocks):
 		return fmt.Sprintf("remote_block_ids %s differ from the blocks issued for transfer_id %s (%s)", compact(m.BlockIDs), e.tid, mustJSON(e.blocks))
 	case m.PromptHash != hashString(e.hash) || m.PromptLen != e.plen:
 		return fmt.Sprintf("KV mismatch: the decode's prompt (%d tokens, hash %s) is not the prefill's (%d tokens, hash %s)", m.PromptLen, m.PromptHash, e.plen, hashString(e.hash))

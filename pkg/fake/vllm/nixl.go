@@ -159,7 +159,7 @@ func (t *nixlTable) read(w http.ResponseWriter, rank int, rr *readRequest) {
 		reason = fmt.Sprintf("remote_request_id %s is held by dp rank %d, not by this side channel (rank %d)", rr.RequestID, e.rank, rank)
 	case !sameJSON(rr.BlockIDs, e.blocks):
 		reason = fmt.Sprintf("remote_block_ids %s differ from the blocks issued for %s (%s)", compact(rr.BlockIDs), rr.RequestID, mustJSON(e.blocks))
-	case len(rr.TPSize) > 0 && !isNull(rr.TPSize) && !sameJSON(rr.TPSize, e.tpSize):
+	case len(rr.TPSize) > 0 && !common.IsNull(rr.TPSize) && !sameJSON(rr.TPSize, e.tpSize):
 		reason = fmt.Sprintf("tp_size %s differs from the prefill's tp_size %d", compact(rr.TPSize), e.tpSize)
 	case rr.PromptHash != hashString(e.hash) || rr.PromptLen != e.plen:
 		reason = fmt.Sprintf("KV mismatch: the decode's prompt (%d tokens, hash %s) is not the prefill's (%d tokens, hash %s)", rr.PromptLen, rr.PromptHash, e.plen, hashString(e.hash))

@@ -430,28 +430,19 @@ func (p *responder) messages(o *outcome) any {
 func (p *responder) streamMessages(ctx context.Context, c *choice) error {
 	start := p.messageObj(c, "", nil, nil, 0)
 	start["content"] = []any{}
-	if err := p.sse.Event("message_start", map[string]any{"type": "message_start", "message": start}); err != nil {
-		return err
-	}
-	if err := p.sse.Event("content_block_start", map[string]any{"type": "content_block_start", "index": 0, "content_block": map[string]any{"type": "text", "text": ""}}); err != nil {
+	if err := p.sse.MessageStart(start); err != nil {
 		return err
 	}
 	for t, piece := range c.pieces {
 		if err := p.step(ctx, t); err != nil {
 			return err
 		}
-		if err := p.sse.Event("content_block_delta", map[string]any{"type": "content_block_delta", "index": 0, "delta": map[string]any{"type": "text_delta", "text": piece}}); err != nil {
+		if err := p.sse.MessageText(piece); err != nil {
 			return err
 		}
 	}
-	if err := p.sse.Event("content_block_stop", map[string]any{"type": "content_block_stop", "index": 0}); err != nil {
-		return err
-	}
 	stop, seq := anthropicStop(c)
-	if err := p.sse.Event("message_delta", map[string]any{"type": "message_delta", "delta": map[string]any{"stop_reason": stop, "stop_sequence": seq}, "usage": map[string]any{"input_tokens": len(c.prompt), "output_tokens": c.completion}}); err != nil {
-		return err
-	}
-	return p.sse.Event("message_stop", map[string]any{"type": "message_stop"})
+	return p.sse.MessageEnd(stop, seq, map[string]any{"input_tokens": len(c.prompt), "output_tokens": c.completion})
 }
 
 // ---- /v1/responses ----
@@ -488,13 +479,7 @@ func (p *responder) responses(o *outcome) any {
 }
 
 func (p *responder) streamResponses(ctx context.Context, c *choice) error {
-	seq := 0
-	ev := func(name string, v map[string]any) error {
-		v["type"] = name
-		v["sequence_number"] = seq
-		seq++
-		return p.sse.Event(name, v)
-	}
+	ev := p.sse.SequencedEvents()
 	if err := ev("response.created", map[string]any{"response": p.responseObj(c, "in_progress", nil)}); err != nil {
 		return err
 	}

@@ -55,55 +55,19 @@ var errClientGone = &apiError{status: 499, msg: "client disconnected"}
 
 type object map[string]json.RawMessage
 
-func isNull(raw json.RawMessage) bool {
-	raw = bytes.TrimSpace(raw)
-	return len(raw) == 0 || string(raw) == "null"
-}
-
-func firstByte(raw json.RawMessage) byte {
-	raw = bytes.TrimSpace(raw)
-	if len(raw) == 0 {
-		return 0
-	}
-	return raw[0]
-}
-
-func jsonType(raw json.RawMessage) string {
-	switch c := firstByte(raw); {
-	case c == '"':
-		return "str"
-	case c == '{':
-		return "dict"
-	case c == '[':
-		return "list"
-	case c == 't' || c == 'f':
-		return "bool"
-	case c == 'n' || c == 0:
-		return "NoneType"
-	case strings.ContainsAny(string(bytes.TrimSpace(raw)), ".eE"):
-		return "float"
-	default:
-		return "int"
-	}
-}
-
 // fieldErr is a pydantic-style validation error (vLLM answers 400).
 func fieldErr(field, msg, typ string, raw json.RawMessage) *apiError {
-	in := string(bytes.TrimSpace(raw))
-	if len(in) > 80 {
-		in = in[:80] + "..."
-	}
-	return badRequest("1 validation error: body.%s: %s [type=%s, input_value=%s, input_type=%s]", field, msg, typ, in, jsonType(raw))
+	return badRequest("1 validation error: body.%s: %s [type=%s, input_value=%s, input_type=%s]", field, msg, typ, common.InputValue(raw), common.JSONType(raw))
 }
 
 func (o object) has(field string) bool {
 	raw, ok := o[field]
-	return ok && !isNull(raw)
+	return ok && !common.IsNull(raw)
 }
 
 func (o object) int(field string) (int64, bool, *apiError) {
 	raw, ok := o[field]
-	if !ok || isNull(raw) {
+	if !ok || common.IsNull(raw) {
 		return 0, false, nil
 	}
 	v, err := strconv.ParseInt(string(bytes.TrimSpace(raw)), 10, 64)
@@ -115,7 +79,7 @@ func (o object) int(field string) (int64, bool, *apiError) {
 
 func (o object) bool(field string) (bool, *apiError) {
 	raw, ok := o[field]
-	if !ok || isNull(raw) {
+	if !ok || common.IsNull(raw) {
 		return false, nil
 	}
 	var b bool
@@ -127,7 +91,7 @@ func (o object) bool(field string) (bool, *apiError) {
 
 func (o object) string(field string) (string, bool, *apiError) {
 	raw, ok := o[field]
-	if !ok || isNull(raw) {
+	if !ok || common.IsNull(raw) {
 		return "", false, nil
 	}
 	var s string
@@ -139,11 +103,11 @@ func (o object) string(field string) (string, bool, *apiError) {
 
 func (o object) object(field string) (object, *apiError) {
 	raw, ok := o[field]
-	if !ok || isNull(raw) {
+	if !ok || common.IsNull(raw) {
 		return nil, nil
 	}
 	var sub object
-	if firstByte(raw) != '{' || json.Unmarshal(raw, &sub) != nil {
+	if common.FirstByte(raw) != '{' || json.Unmarshal(raw, &sub) != nil {
 		return nil, fieldErr(field, "Input should be a valid dictionary", "dict_type", raw)
 	}
 	if sub == nil {
@@ -166,7 +130,7 @@ func (k kvParams) flag(key string) bool {
 // str returns a string value; ok is false when absent, null or not a string.
 func (k kvParams) str(key string) (string, bool) {
 	raw, ok := k[key]
-	if !ok || firstByte(raw) != '"' {
+	if !ok || common.FirstByte(raw) != '"' {
 		return "", false
 	}
 	var s string
@@ -179,11 +143,11 @@ func (k kvParams) str(key string) (string, bool) {
 // intLike parses a number or a decimal string (present=false when absent or null).
 func (k kvParams) intLike(key string) (v int64, present bool, ok bool) {
 	raw, found := k[key]
-	if !found || isNull(raw) {
+	if !found || common.IsNull(raw) {
 		return 0, false, false
 	}
 	lit := string(bytes.TrimSpace(raw))
-	if firstByte(raw) == '"' {
+	if common.FirstByte(raw) == '"' {
 		var s string
 		if json.Unmarshal(raw, &s) != nil {
 			return 0, true, false
@@ -227,8 +191,8 @@ type request struct {
 // parseRequest parses and validates an engine request body.
 func parseRequest(rt route, r *http.Request, body []byte, cfg Config) (*request, *apiError) {
 	var o object
-	if firstByte(body) != '{' || json.Unmarshal(body, &o) != nil {
-		return nil, badRequest("1 validation error: body: Input should be a valid dictionary or object to extract fields from [type=model_attributes_type, input_type=%s]", jsonType(body))
+	if common.FirstByte(body) != '{' || json.Unmarshal(body, &o) != nil {
+		return nil, badRequest("1 validation error: body: Input should be a valid dictionary or object to extract fields from [type=model_attributes_type, input_type=%s]", common.JSONType(body))
 	}
 	req := &request{route: rt, n: 1, model: cfg.Model}
 	var e *apiError
@@ -264,11 +228,11 @@ func parseRequest(rt route, r *http.Request, body []byte, cfg Config) (*request,
 		req.dpRank = v
 	}
 
-	if raw, ok := o["kv_transfer_params"]; ok && !isNull(raw) {
+	if raw, ok := o["kv_transfer_params"]; ok && !common.IsNull(raw) {
 		if !rt.declaresKV() {
 			req.kvIgnored = true
 		} else {
-			if firstByte(raw) != '{' {
+			if common.FirstByte(raw) != '{' {
 				return nil, fieldErr("kv_transfer_params", "Input should be a valid dictionary", "dict_type", raw)
 			}
 			var kv kvParams
@@ -374,7 +338,7 @@ func parseSampling(o object, req *request, cfg Config) *apiError {
 	if req.route == routeMessages {
 		stopField = "stop_sequences"
 	}
-	if raw, ok := o[stopField]; ok && !isNull(raw) {
+	if raw, ok := o[stopField]; ok && !common.IsNull(raw) {
 		var one string
 		var many []string
 		switch {
@@ -392,7 +356,7 @@ func parseSampling(o object, req *request, cfg Config) *apiError {
 			return fieldErr(stopField, "Input should be a valid string or list of strings", "string_type", raw)
 		}
 	}
-	if raw, ok := o["stop_token_ids"]; ok && !isNull(raw) {
+	if raw, ok := o["stop_token_ids"]; ok && !common.IsNull(raw) {
 		if json.Unmarshal(raw, &req.stopIDs) != nil {
 			return fieldErr("stop_token_ids", "Input should be a valid list of integers", "list_type", raw)
 		}
@@ -404,7 +368,7 @@ func parseSampling(o object, req *request, cfg Config) *apiError {
 	case routeChat:
 		req.logprobs, e = o.bool("logprobs")
 	case routeCompletions:
-		if raw, ok := o["logprobs"]; ok && !isNull(raw) {
+		if raw, ok := o["logprobs"]; ok && !common.IsNull(raw) {
 			if _, _, e = o.int("logprobs"); e == nil {
 				req.logprobs = true
 			}
@@ -415,33 +379,20 @@ func parseSampling(o object, req *request, cfg Config) *apiError {
 
 // contentText extracts text from a string or an array of content parts.
 func contentText(raw json.RawMessage, field string) (string, *apiError) {
-	if isNull(raw) {
-		return "", nil
-	}
-	var s string
-	if json.Unmarshal(raw, &s) == nil {
-		return s, nil
-	}
-	var parts []object
-	if json.Unmarshal(raw, &parts) != nil {
+	text, ok := common.ContentText(raw)
+	if !ok {
 		return "", fieldErr(field, "Input should be a valid string or list of content parts", "list_type", raw)
 	}
-	var texts []string
-	for _, p := range parts {
-		if t, ok, _ := p.string("text"); ok {
-			texts = append(texts, t)
-		}
-	}
-	return strings.Join(texts, "\n"), nil
+	return text, nil
 }
 
 func messagesText(o object, field string) (string, *apiError) {
 	raw, ok := o[field]
-	if !ok || isNull(raw) {
+	if !ok || common.IsNull(raw) {
 		return "", fieldErr(field, "Field required", "missing", nil)
 	}
 	var msgs []object
-	if firstByte(raw) != '[' || json.Unmarshal(raw, &msgs) != nil {
+	if common.FirstByte(raw) != '[' || json.Unmarshal(raw, &msgs) != nil {
 		return "", fieldErr(field, "Input should be a valid list", "list_type", raw)
 	}
 	texts := make([]string, 0, len(msgs))
@@ -469,7 +420,7 @@ func parseCompletions(o object, req *request) *apiError {
 		req.embeds = true
 	}
 	raw, ok := o["prompt"]
-	if !ok || isNull(raw) {
+	if !ok || common.IsNull(raw) {
 		if req.embeds {
 			req.prompts = [][]int{{}}
 			return nil
@@ -483,7 +434,7 @@ func parseCompletions(o object, req *request) *apiError {
 	switch {
 	case json.Unmarshal(raw, &s) == nil:
 		req.prompts = [][]int{common.Tokenize(s)}
-	case firstByte(raw) == '[' && json.Unmarshal(raw, &strs) == nil && len(strs) > 0:
+	case common.FirstByte(raw) == '[' && json.Unmarshal(raw, &strs) == nil && len(strs) > 0:
 		for _, t := range strs {
 			req.prompts = append(req.prompts, common.Tokenize(t))
 		}
@@ -517,7 +468,7 @@ func parseMessages(o object, req *request) *apiError {
 
 func parseResponses(o object, req *request) *apiError {
 	raw, ok := o["input"]
-	if !ok || isNull(raw) {
+	if !ok || common.IsNull(raw) {
 		return fieldErr("input", "Field required", "missing", nil)
 	}
 	var text string

@@ -4,12 +4,9 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
-	"errors"
 	"fmt"
 	"net"
 	"net/http"
-	"strconv"
-	"sync"
 	"sync/atomic"
 	"time"
 
@@ -25,10 +22,8 @@ type Server struct {
 	log      zerolog.Logger
 	instance string // unique per server, reported by the MoRI-IO info endpoint
 
-	cfgMu        sync.RWMutex
-	cfg          Config
-	initial      Config
-	startupUntil time.Time
+	settings *common.Settings[Config]
+	life     *common.Lifecycle
 
 	requests *common.RequestLog
 	events   *common.EventLog
@@ -39,23 +34,11 @@ type Server struct {
 	client   *http.Client
 	tr       *http.Transport
 
-	servers   []*http.Server
 	url       string
 	sidePorts []int // NIXL side channel port per DP rank
 	bootPort  int
 	hsPort    int
 	notePort  int
-
-	baseCtx   context.Context
-	cancel    context.CancelFunc
-	wg        sync.WaitGroup // serve loops, the ctx watcher, background pushes
-	hmu       sync.Mutex
-	closing   bool
-	handlers  sync.WaitGroup // in-flight handlers
-	started   atomic.Bool
-	closeOnce sync.Once
-	closeErr  error
-	closed    chan struct{}
 
 	dead      atomic.Pointer[string] // MoRI-IO "engine dead" reason
 	inFlight  atomic.Int64
@@ -86,14 +69,18 @@ func New(cfg Config) *Server {
 	s := &Server{
 		log:      log,
 		instance: randHex(16),
-		cfg:      cfg,
-		initial:  cfg,
+		settings: common.NewSettings(cfg, func(c Config) time.Duration { return c.StartupWindow }),
 		requests: common.NewRequestLog(cfg.MaxRecorded),
 		events:   common.NewEventLog(cfg.MaxRecorded),
 		tr:       tr,
 		client:   &http.Client{Transport: tr},
-		closed:   make(chan struct{}),
 	}
+	s.life = common.NewLifecycle("vllm fake", func() {
+		s.nixl.reset()
+		s.mc.reset()
+		s.mori.reset()
+		s.tr.CloseIdleConnections()
+	})
 	s.nixl = newNixlTable(s)
 	s.mc = newMooncakeTable(s)
 	s.mori = newMoriTable(s)
@@ -101,44 +88,33 @@ func New(cfg Config) *Server {
 	return s
 }
 
-type listener struct {
-	ln      net.Listener
-	handler http.Handler
-}
-
 // Start binds the listeners and serves in the background. The server runs
 // until Close is called or ctx is done.
 func (s *Server) Start(ctx context.Context) error {
-	if !s.started.CompareAndSwap(false, true) {
-		return errors.New("vllm fake: already started")
+	if err := s.life.Begin(); err != nil {
+		return err
 	}
 	cfg := s.Config()
 	if err := cfg.validate(); err != nil {
 		return err
 	}
-	var (
-		lc  net.ListenConfig
-		lns []listener
-	)
-	closeAll := func() {
-		for _, l := range lns {
-			_ = l.ln.Close()
-		}
-	}
+	var lns []common.Listener
 	listen := func(port int, what string, h http.Handler) (int, error) {
-		ln, err := lc.Listen(ctx, "tcp", net.JoinHostPort(cfg.Host, strconv.Itoa(port)))
+		ln, bound, err := common.ListenTCP(ctx, cfg.Host, port)
 		if err != nil {
-			closeAll()
+			for _, l := range lns {
+				_ = l.Ln.Close()
+			}
 			return 0, fmt.Errorf("vllm fake: listen %s: %w", what, err)
 		}
-		lns = append(lns, listener{ln, h})
-		return ln.Addr().(*net.TCPAddr).Port, nil
+		lns = append(lns, common.Listener{Ln: ln, Handler: h})
+		return bound, nil
 	}
 	httpPort, err := listen(cfg.HTTPPort, "http", s.engineMux())
 	if err != nil {
 		return err
 	}
-	s.url = "http://" + net.JoinHostPort(cfg.Host, strconv.Itoa(httpPort))
+	s.url = common.HTTPURL(cfg.Host, httpPort)
 	switch cfg.Connector {
 	case Nixl:
 		if cfg.Role.canPrefill() {
@@ -168,106 +144,25 @@ func (s *Server) Start(ctx context.Context) error {
 			return err
 		}
 	}
-	s.cfgMu.Lock()
-	for _, c := range []*Config{&s.cfg, &s.initial} {
+	s.settings.Started(func(c *Config) {
 		c.HTTPPort, c.BootstrapPort, c.HandshakePort, c.NotifyPort = httpPort, s.bootPort, s.hsPort, s.notePort
 		if len(s.sidePorts) > 0 {
 			c.SideChannelPort = s.sidePorts[0]
 		}
-	}
-	s.startupUntil = time.Now().Add(s.cfg.StartupWindow)
-	s.cfgMu.Unlock()
-
-	s.baseCtx, s.cancel = context.WithCancel(context.WithoutCancel(ctx))
-	base := func(net.Listener) context.Context { return s.baseCtx }
-	for _, l := range lns {
-		srv := &http.Server{Handler: s.track(l.handler), BaseContext: base, ReadHeaderTimeout: 10 * time.Second}
-		s.servers = append(s.servers, srv)
-		s.wg.Add(1)
-		go func() {
-			defer s.wg.Done()
-			if err := srv.Serve(l.ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
-				s.log.Error().Err(err).Msg("serve")
-			}
-		}()
-	}
-	s.wg.Add(1)
-	go func() {
-		defer s.wg.Done()
-		select {
-		case <-ctx.Done():
-			go func() { _ = s.Close() }()
-		case <-s.closed:
-		}
-	}()
+	})
+	s.life.Serve(ctx, s.log, lns...)
 	s.log.Info().Str("url", s.url).Msg("fake vllm listening")
 	return nil
 }
 
-// track counts in-flight handlers so Close can wait for them.
-func (s *Server) track(h http.Handler) http.Handler {
-	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		s.hmu.Lock()
-		if s.closing {
-			s.hmu.Unlock()
-			w.WriteHeader(http.StatusServiceUnavailable)
-			return
-		}
-		s.handlers.Add(1)
-		s.hmu.Unlock()
-		defer s.handlers.Done()
-		h.ServeHTTP(w, r)
-	})
-}
-
 // goBackground runs fn on a tracked goroutine with the server's base context
 // (cancelled by Close). It returns false when the server is closing.
-func (s *Server) goBackground(fn func(ctx context.Context)) bool {
-	s.hmu.Lock()
-	defer s.hmu.Unlock()
-	if s.closing || s.baseCtx == nil {
-		return false
-	}
-	s.wg.Add(1)
-	go func() {
-		defer s.wg.Done()
-		fn(s.baseCtx)
-	}()
-	return true
-}
+func (s *Server) goBackground(fn func(ctx context.Context)) bool { return s.life.Go(fn) }
 
 // Close stops every listener, cancels in-flight requests and background
 // transfers, stops the hold timers and waits for the server's goroutines.
 // It is safe to call more than once.
-func (s *Server) Close() error {
-	s.closeOnce.Do(func() {
-		close(s.closed)
-		if !s.started.Load() || s.cancel == nil {
-			return
-		}
-		s.hmu.Lock()
-		s.closing = true
-		s.hmu.Unlock()
-		s.cancel()
-		ctx, cancel := context.WithTimeout(context.Background(), 250*time.Millisecond)
-		defer cancel()
-		for _, srv := range s.servers {
-			if err := srv.Shutdown(ctx); err != nil && !errors.Is(err, context.DeadlineExceeded) {
-				s.closeErr = errors.Join(s.closeErr, err)
-			}
-			if err := srv.Close(); err != nil {
-				s.closeErr = errors.Join(s.closeErr, err)
-			}
-		}
-		s.handlers.Wait()
-		s.nixl.reset()
-		s.mc.reset()
-		s.mori.reset()
-		s.tr.CloseIdleConnections()
-		s.wg.Wait()
-	})
-	return s.closeErr
-}
+func (s *Server) Close() error { return s.life.Close() }
 
 // URL is the OpenAI API base URL, e.g. "http://127.0.0.1:8000".
 func (s *Server) URL() string { return s.url }
@@ -285,7 +180,7 @@ func (s *Server) BootstrapAddr() string {
 	if s.bootPort == 0 {
 		return ""
 	}
-	return "http://" + net.JoinHostPort(s.Config().Host, strconv.Itoa(s.bootPort))
+	return common.HTTPURL(s.Config().Host, s.bootPort)
 }
 
 // HandshakePort and NotifyPort are the MoRI-IO ports (0 if none).
@@ -305,55 +200,33 @@ func (s *Server) EngineID(rank int) string {
 }
 
 // Config returns the effective configuration.
-func (s *Server) Config() Config {
-	s.cfgMu.RLock()
-	defer s.cfgMu.RUnlock()
-	return s.cfg
-}
+func (s *Server) Config() Config { return s.settings.Get() }
 
 // UpdateConfig changes the runtime knobs (the fields after "Runtime knobs" in
 // Config); changes to the other fields are ignored. It returns the result.
 func (s *Server) UpdateConfig(fn func(*Config)) Config {
-	s.cfgMu.Lock()
-	defer s.cfgMu.Unlock()
-	c := s.cfg
-	fn(&c)
-	if validatePolicy(c.KVLoadFailurePolicy) != nil && c.KVLoadFailurePolicy != "" {
-		c.KVLoadFailurePolicy = s.cfg.KVLoadFailurePolicy
-	}
-	c = c.knobDefaults()
-	old := s.cfg
-	fixed := old
-	fixed.Lax, fixed.KVLoadFailurePolicy, fixed.FailStatus, fixed.FailBody, fixed.Hang = c.Lax, c.KVLoadFailurePolicy, c.FailStatus, c.FailBody, c.Hang
-	fixed.PrefillDelay, fixed.PerTokenDelay, fixed.TransferDelay = c.PrefillDelay, c.PerTokenDelay, c.TransferDelay
-	fixed.AbortRequestTimeout, fixed.TransferTimeout, fixed.EOSAt = c.AbortRequestTimeout, c.TransferTimeout, c.EOSAt
-	fixed.StartupWindow, fixed.DefaultMaxTokens, fixed.DevMode = c.StartupWindow, c.DefaultMaxTokens, c.DevMode
-	if fixed.StartupWindow != old.StartupWindow {
-		s.startupUntil = time.Now().Add(fixed.StartupWindow)
-	}
-	s.cfg = fixed
-	return fixed
+	c, _ := s.settings.Update(func(old Config) (Config, error) {
+		c := old
+		fn(&c)
+		if validatePolicy(c.KVLoadFailurePolicy) != nil && c.KVLoadFailurePolicy != "" {
+			c.KVLoadFailurePolicy = old.KVLoadFailurePolicy
+		}
+		c = c.knobDefaults()
+		fixed := old
+		fixed.Lax, fixed.KVLoadFailurePolicy, fixed.FailStatus, fixed.FailBody, fixed.Hang = c.Lax, c.KVLoadFailurePolicy, c.FailStatus, c.FailBody, c.Hang
+		fixed.PrefillDelay, fixed.PerTokenDelay, fixed.TransferDelay = c.PrefillDelay, c.PerTokenDelay, c.TransferDelay
+		fixed.AbortRequestTimeout, fixed.TransferTimeout, fixed.EOSAt = c.AbortRequestTimeout, c.TransferTimeout, c.EOSAt
+		fixed.StartupWindow, fixed.DefaultMaxTokens, fixed.DevMode = c.StartupWindow, c.DefaultMaxTokens, c.DevMode
+		return fixed, nil
+	}, func(old, c Config) bool { return c.StartupWindow != old.StartupWindow })
+	return c
 }
 
 func (s *Server) patchConfig(p ConfigPatch) (Config, error) {
-	s.cfgMu.Lock()
-	defer s.cfgMu.Unlock()
-	c, err := p.apply(s.cfg)
-	if err != nil {
-		return s.cfg, err
-	}
-	if p.StartupMS != nil {
-		s.startupUntil = time.Now().Add(c.StartupWindow)
-	}
-	s.cfg = c
-	return c, nil
+	return s.settings.Update(p.apply, func(_, _ Config) bool { return p.StartupMS != nil })
 }
 
-func (s *Server) starting() bool {
-	s.cfgMu.RLock()
-	defer s.cfgMu.RUnlock()
-	return time.Now().Before(s.startupUntil)
-}
+func (s *Server) starting() bool { return s.settings.Starting() }
 
 // Requests returns every request received on engine routes (oldest first;
 // bounded by Config.MaxRecorded).
@@ -373,10 +246,7 @@ func (s *Server) Reset() {
 	s.mc.reset()
 	s.mori.reset()
 	s.dead.Store(nil)
-	s.cfgMu.Lock()
-	s.cfg = s.initial
-	s.startupUntil = time.Time{}
-	s.cfgMu.Unlock()
+	s.settings.Reset()
 }
 
 // Dead reports the MoRI-IO "engine dead" reason ("" while alive).

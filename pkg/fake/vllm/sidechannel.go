@@ -157,7 +157,7 @@ func sameJSON(a, b any) bool { return reflect.DeepEqual(normJSON(a), normJSON(b)
 // nonEmptyList reports whether raw is a JSON list with at least one element.
 func nonEmptyList(raw json.RawMessage) bool {
 	var l []json.RawMessage
-	return firstByte(raw) == '[' && json.Unmarshal(raw, &l) == nil && len(l) > 0
+	return common.FirstByte(raw) == '[' && json.Unmarshal(raw, &l) == nil && len(l) > 0
 }
 
 // memory is a bounded FIFO map of ids that left a table (consumed, expired,
