@@ -248,8 +248,19 @@ func (c *Config) table() map[string]spec {
 	}
 }
 
-// Parse reads args (without the program/subcommand name) over the defaults.
+// Parse reads args (without the program/subcommand name) over the defaults
+// and validates the result.
 func Parse(args []string) (Config, error) {
+	c, err := parse(args)
+	if err != nil {
+		return c, err
+	}
+	return c, c.Validate()
+}
+
+// parse reads args without the cross-setting validation (a config file's
+// settings are only complete once merged with the command line).
+func parse(args []string) (Config, error) {
 	c := Defaults()
 	t := c.table()
 	for i := 0; i < len(args); i++ {
@@ -358,7 +369,7 @@ func Parse(args []string) (Config, error) {
 			c.Prefills = append(c.Prefills, p)
 		}
 	}
-	return c, c.Validate()
+	return c, nil
 }
 
 var knownPolicies = map[string]bool{

@@ -55,9 +55,11 @@ func LoadFile(path string) (*File, error) {
 		name := strings.ReplaceAll(k, "_", "-")
 		switch name {
 		case "workers":
-			if err := node.Decode(&f.Workers); err != nil {
+			var ws []FileWorker
+			if err := node.Decode(&ws); err != nil {
 				return nil, fmt.Errorf("config %s: workers: %w", path, err)
 			}
+			f.Workers = append(f.Workers, ws...) // alongside prefill:/decode: short forms
 			continue
 		case "prefill":
 			var ps []struct {
@@ -111,7 +113,7 @@ func LoadFile(path string) (*File, error) {
 			return nil, fmt.Errorf("config %s: worker %s: worker_type %q", path, w.URL, w.WorkerType)
 		}
 	}
-	// Validate the settings the same way the command line is validated.
+	// A file must be valid on its own (a reload has no command line to lean on).
 	if _, err := Parse(f.Args); err != nil {
 		return nil, fmt.Errorf("config %s: %w", path, err)
 	}

@@ -253,6 +253,10 @@ func (m *Manager) Replace(id string, spec workers.Spec) error {
 	if !ok {
 		return fmt.Errorf("%w: Worker not found: %s", ErrNotFound, id)
 	}
+	if old.Draining() {
+		// Its removal is under way; an update would resurrect it half-removed.
+		return fmt.Errorf("%w: Worker %s is being removed", ErrBadRequest, id)
+	}
 	if err := Validate(spec); err != nil {
 		return err
 	}

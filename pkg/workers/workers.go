@@ -201,8 +201,11 @@ func New(spec Spec, resolve Resolver) (*Worker, error) {
 		return nil, fmt.Errorf("invalid worker url %q: bad port", raw)
 	}
 	ips, err := resolve(u.Hostname())
-	if err != nil || len(ips) == 0 {
+	if err != nil {
 		return nil, fmt.Errorf("invalid worker url %q: %w", raw, err)
+	}
+	if len(ips) == 0 {
+		return nil, fmt.Errorf("invalid worker url %q: %s resolves to no address", raw, u.Hostname())
 	}
 	ip := pickIP(ips)
 	// SMG's bootstrap-host rule (IPv6 keeps its brackets, "@rank" stripped).

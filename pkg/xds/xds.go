@@ -246,30 +246,49 @@ func (s *Server) perTryFilters() ([]*hcmv3.HttpFilter, error) {
 }
 
 func loadAssignment(decodes []*workers.Worker) (*endpointv3.ClusterLoadAssignment, error) {
-	lbs := make([]*endpointv3.LbEndpoint, 0, len(decodes))
-	seen := map[string]bool{}
-	for _, w := range decodes {
-		if seen[w.Addr] {
-			// Two DP ranks of one engine share an address; Envoy needs it once.
-			continue
-		}
-		seen[w.Addr] = true
-		host, portStr, err := net.SplitHostPort(w.Addr)
-		if err != nil {
-			return nil, fmt.Errorf("worker %s address %q: %w", w.ID, w.Addr, err)
-		}
-		port, _ := strconv.Atoi(portStr)
-		md, err := structpb.NewStruct(map[string]any{"worker_id": w.ID, "url": w.URL})
-		if err != nil {
-			return nil, fmt.Errorf("endpoint metadata: %w", err)
-		}
-		status := corev3.HealthStatus_HEALTHY
+	// DP ranks of one engine share an address: Envoy gets one endpoint, as
+	// healthy as its best rank (the processor picks the rank).
+	type ep struct {
+		w      *workers.Worker
+		status corev3.HealthStatus
+	}
+	rank := func(w *workers.Worker) corev3.HealthStatus {
 		switch {
 		case w.Draining():
-			// Streams in flight finish; Envoy sends nothing new there.
-			status = corev3.HealthStatus_DRAINING
+			return corev3.HealthStatus_DRAINING // streams in flight finish; nothing new goes there
 		case !w.Healthy():
-			status = corev3.HealthStatus_UNHEALTHY
+			return corev3.HealthStatus_UNHEALTHY
+		}
+		return corev3.HealthStatus_HEALTHY
+	}
+	better := func(a, b corev3.HealthStatus) bool { // a preferred over b
+		order := map[corev3.HealthStatus]int{corev3.HealthStatus_HEALTHY: 0, corev3.HealthStatus_DRAINING: 1, corev3.HealthStatus_UNHEALTHY: 2}
+		return order[a] < order[b]
+	}
+	var order []string
+	byAddr := map[string]*ep{}
+	for _, w := range decodes {
+		st := rank(w)
+		if e, ok := byAddr[w.Addr]; ok {
+			if better(st, e.status) {
+				e.w, e.status = w, st
+			}
+			continue
+		}
+		byAddr[w.Addr] = &ep{w: w, status: st}
+		order = append(order, w.Addr)
+	}
+	lbs := make([]*endpointv3.LbEndpoint, 0, len(order))
+	for _, addr := range order {
+		e := byAddr[addr]
+		host, portStr, err := net.SplitHostPort(addr)
+		if err != nil {
+			return nil, fmt.Errorf("worker %s address %q: %w", e.w.ID, addr, err)
+		}
+		port, _ := strconv.Atoi(portStr)
+		md, err := structpb.NewStruct(map[string]any{"worker_id": e.w.ID, "url": e.w.URL})
+		if err != nil {
+			return nil, fmt.Errorf("endpoint metadata: %w", err)
 		}
 		lbs = append(lbs, &endpointv3.LbEndpoint{
 			HostIdentifier: &endpointv3.LbEndpoint_Endpoint{Endpoint: &endpointv3.Endpoint{
@@ -278,7 +297,7 @@ func loadAssignment(decodes []*workers.Worker) (*endpointv3.ClusterLoadAssignmen
 					PortSpecifier: &corev3.SocketAddress_PortValue{PortValue: uint32(port)},
 				}}},
 			}},
-			HealthStatus: status,
+			HealthStatus: e.status,
 			Metadata:     &corev3.Metadata{FilterMetadata: map[string]*structpb.Struct{WorkerMetadataNamespace: md}},
 		})
 	}
