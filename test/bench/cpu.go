@@ -113,26 +113,36 @@ func machineBusyMS() float64 {
 	return float64(busy) * 1000 / clkTck
 }
 
-// cpuSnap is the CPU time (ms) of the gateway, its Envoy, the bench process
-// and the whole machine at one instant.
-type cpuSnap struct{ gw, envoy, self, machine float64 }
+// cpuSnap is the CPU time (ms) of the gateway under test, its Envoy, the
+// bench process, the bench's other (idle) gateway processes and the whole
+// machine at one instant.
+type cpuSnap struct{ gw, envoy, self, idle, machine float64 }
 
-type cpuPids struct{ gw, envoy int }
+// cpuPids: the gateway under test, its Envoy child, and the processes of the
+// bench's other gateway (idle during this cell; not "other processes").
+type cpuPids struct {
+	gw, envoy int
+	idle      []int
+}
 
 func (p cpuPids) snap() cpuSnap {
-	return cpuSnap{gw: cpuMS(p.gw), envoy: cpuMS(p.envoy), self: cpuMS(os.Getpid()), machine: machineBusyMS()}
+	s := cpuSnap{gw: cpuMS(p.gw), envoy: cpuMS(p.envoy), self: cpuMS(os.Getpid()), machine: machineBusyMS()}
+	for _, pid := range p.idle {
+		s.idle += cpuMS(pid)
+	}
+	return s
 }
 
 func (a cpuSnap) sub(b cpuSnap) cpuSnap {
-	return cpuSnap{gw: a.gw - b.gw, envoy: a.envoy - b.envoy, self: a.self - b.self, machine: a.machine - b.machine}
+	return cpuSnap{gw: a.gw - b.gw, envoy: a.envoy - b.envoy, self: a.self - b.self, idle: a.idle - b.idle, machine: a.machine - b.machine}
 }
 
 func (a cpuSnap) add(b cpuSnap) cpuSnap {
-	return cpuSnap{gw: a.gw + b.gw, envoy: a.envoy + b.envoy, self: a.self + b.self, machine: a.machine + b.machine}
+	return cpuSnap{gw: a.gw + b.gw, envoy: a.envoy + b.envoy, self: a.self + b.self, idle: a.idle + b.idle, machine: a.machine + b.machine}
 }
 
 // others is the CPU time used by every other process on the machine.
-func (a cpuSnap) others() float64 { return max(a.machine-a.gw-a.envoy-a.self, 0) }
+func (a cpuSnap) others() float64 { return max(a.machine-a.gw-a.envoy-a.self-a.idle, 0) }
 
 // waitIdle waits (at most d) until the machine's busy share stays under
 // limit for three one-second samples in a row, and returns the last share.

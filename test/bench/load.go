@@ -25,6 +25,9 @@ type workload struct {
 	body   []byte // the client's JSON object, ending in '}'
 	stream bool
 	tokens int // max_tokens: an SSE answer has at least this many data events before [DONE]
+	// prefillLeg (vLLM cells) is the sanitized one-token NIXL prefill leg of
+	// body, built once: the direct mode is a zero-cost gateway.
+	prefillLeg []byte
 }
 
 // sample is one successful request.
@@ -40,6 +43,11 @@ const nPhases = 4
 
 var phaseNames = [nPhases]string{"request headers round trip", "request body round trip (parse, pick, mint, edit, start prefill)",
 	"decode leg to its response head", "response headers round trip (waits for the prefill body)"}
+
+// vllmPhaseNames: on the sequential path the request body round trip holds
+// the whole prefill leg.
+var vllmPhaseNames = [nPhases]string{"request headers round trip", "request body round trip (parse, pick, prefill leg to its answer, relay the handoff)",
+	"decode leg to its response head", "response headers round trip"}
 
 // target is what the bench talks to.
 type target struct {
@@ -125,6 +133,95 @@ func (t *target) drainPrefill(ctx context.Context, path string, body []byte) err
 	}
 	_, err = io.Copy(io.Discard, resp.Body)
 	return err
+}
+
+// nixlPrefillTag is the kv_transfer_params of a NIXL prefill leg.
+const nixlPrefillTag = `{"do_remote_decode":true,"do_remote_prefill":false}`
+
+// vllmPrefillLeg sanitizes a client body into vLLM's NIXL prefill leg: one
+// output token (max_completion_tokens:1 when the client set it, else
+// max_tokens:1), stream:false, no stream_options / min_tokens /
+// min_completion_tokens, an existing n set to 1, and the NIXL tag.
+func vllmPrefillLeg(body []byte) ([]byte, error) {
+	var m map[string]json.RawMessage
+	if err := json.Unmarshal(body, &m); err != nil {
+		return nil, err
+	}
+	one := json.RawMessage("1")
+	m["stream"] = json.RawMessage("false")
+	for _, k := range []string{"stream_options", "min_tokens", "min_completion_tokens"} {
+		delete(m, k)
+	}
+	if _, ok := m["n"]; ok {
+		m["n"] = one
+	}
+	if _, ok := m["max_completion_tokens"]; ok {
+		m["max_completion_tokens"] = one
+		delete(m, "max_tokens")
+	} else {
+		m["max_tokens"] = one
+	}
+	m["kv_transfer_params"] = json.RawMessage(nixlPrefillTag)
+	return json.Marshal(m)
+}
+
+// withKV is the decode leg: the client's object plus kv_transfer_params
+// (the prefill's bytes, verbatim) before its closing brace.
+func withKV(body, kv []byte) []byte {
+	end := bytes.LastIndexByte(body, '}')
+	out := make([]byte, 0, len(body)+len(kv)+24)
+	out = append(out, body[:end]...)
+	out = append(out, `,"kv_transfer_params":`...)
+	out = append(out, kv...)
+	return append(out, '}')
+}
+
+// directSeq does vLLM's sequential NIXL handoff itself, as a zero-cost
+// gateway would: POST the one-token prefill leg, take the top-level
+// kv_transfer_params of its JSON answer, POST the client's body plus those
+// params to the decode and read the decode answer. Latency covers both legs.
+func (t *target) directSeq(ctx context.Context, w *workload) (sample, error) {
+	start := time.Now()
+	kv, err := t.prefillHandoff(ctx, w)
+	if err != nil {
+		return sample{}, fmt.Errorf("prefill: %w", err)
+	}
+	s, err := t.postAndRead(ctx, t.decode+w.path, withKV(w.body, kv), w, start)
+	if err != nil {
+		return s, fmt.Errorf("decode: %w", err)
+	}
+	return s, nil
+}
+
+// prefillHandoff sends the prefill leg and returns the raw bytes of the
+// answer's top-level kv_transfer_params object.
+func (t *target) prefillHandoff(ctx context.Context, w *workload) ([]byte, error) {
+	req, err := newPost(ctx, t.prefill+w.path, w.prefillLeg)
+	if err != nil {
+		return nil, err
+	}
+	resp, err := t.client.Do(req)
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return nil, err
+	}
+	if resp.StatusCode != http.StatusOK {
+		return nil, fmt.Errorf("status %d: %.300s", resp.StatusCode, b)
+	}
+	var out struct {
+		KV json.RawMessage `json:"kv_transfer_params"`
+	}
+	if err := json.Unmarshal(b, &out); err != nil {
+		return nil, fmt.Errorf("answer is not JSON: %v: %.200s", err, b)
+	}
+	if len(out.KV) == 0 || out.KV[0] != '{' {
+		return nil, fmt.Errorf("no kv_transfer_params handoff in the answer: %.300s", b)
+	}
+	return out.KV, nil
 }
 
 // viaGateway sends the client's body to Envoy.

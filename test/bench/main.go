@@ -3,12 +3,17 @@
 // it; see docs/benchmarks.md.
 //
 // One run starts a fake SGLang prefill and decode in-process (no artificial
-// delays) and `bin/smg-extproc launch` as a child, then runs each scenario
-// cell in every mode with the modes alternated in ABBA rounds so machine
-// noise hits them alike:
+// delays) and `bin/smg-extproc launch` as a child; when a vLLM cell is
+// selected, also a strict fake vLLM NIXL prefill (kv_producer) and decode
+// (kv_consumer) and a second gateway that gets only that pair through its
+// worker API (POST /workers), so round-robin prefill selection never mixes
+// the two pools. It then runs each scenario cell in every mode with the
+// modes alternated in ABBA rounds so machine noise hits them alike:
 //
-//   - direct: the bench does an ideal zero-cost gateway's work itself (random
-//     room, bootstrap keys, both legs at once) and times the decode answer;
+//   - direct: the bench does an ideal zero-cost gateway's work itself and
+//     times the decode answer. SGLang: random room, bootstrap keys, both legs
+//     at once. vLLM NIXL: the one-token prefill leg first, then the client's
+//     body plus the prefill's kv_transfer_params to the decode (sequential);
 //   - ext_proc only (small-request cells): the bench plays Envoy against the
 //     processor's gRPC port, isolating the Go side from Envoy's proxying;
 //   - via gateway: the client body goes to Envoy's port.
@@ -27,12 +32,14 @@ import (
 	"os/signal"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
 	"time"
 
 	"github.com/smg-project/smg-extproc/pkg/fake/sglang"
+	"github.com/smg-project/smg-extproc/pkg/fake/vllm"
 )
 
 type mode int
@@ -53,14 +60,31 @@ func (m mode) String() string {
 	return "via gateway"
 }
 
+// Stacks: the engines and the gateway a cell runs against.
+const (
+	stackSGLang = "sglang"
+	stackVLLM   = "vllm"
+)
+
 // cell is one scenario at one concurrency.
 type cell struct {
-	scenario string // small, sse, large
+	scenario string // small, sse, large, vllm-small, vllm-sse
 	name     string // e.g. small-c16
 	conc     int
 	n        int // measured requests per mode
 	w        *workload
 	modes    []mode
+	stack    string // stackSGLang or stackVLLM
+}
+
+// stack is one gateway with its engines, as the cells of that stack use it.
+type stack struct {
+	name    string
+	gw      *gateway
+	t       *target
+	pids    cpuPids
+	fns     map[mode]reqFunc
+	workers []workerInfo // vLLM: the pair as GET /workers listed it
 }
 
 type cellResult struct {
@@ -98,7 +122,7 @@ func main() {
 	var o options
 	flag.BoolVar(&o.quick, "quick", false, "small request counts (smoke run, < 30 s)")
 	flag.StringVar(&o.out, "out", "", "also write the Markdown report to this file")
-	flag.StringVar(&o.scenarios, "scenarios", "", "comma-separated scenario or cell names to run (small, sse, large, small-c16, ...); empty = all")
+	flag.StringVar(&o.scenarios, "scenarios", "", "comma-separated scenario, cell or stack names to run (small, sse, large, vllm-small, vllm-sse, small-c16, ...; sglang or vllm for all cells of one stack); empty = all")
 	flag.IntVar(&o.rounds, "rounds", 8, "alternating rounds per cell (ABBA order)")
 	flag.DurationVar(&o.capMode, "cap", 0, "time cap per mode per cell (default 12s, 3s with -quick)")
 	flag.BoolVar(&o.perf, "perf", true, "after the measured cells, profile smg-extproc with perf during an extra c=16 run (skipped if perf is missing)")
@@ -169,18 +193,23 @@ func cells(o options) []cell {
 	small := &workload{path: "/v1/chat/completions", body: chatBody(1024, 8, false)}
 	sse := &workload{path: "/v1/chat/completions", body: chatBody(1024, 64, true), stream: true, tokens: 64}
 	large := &workload{path: "/v1/chat/completions", body: chatBody(400*1024, 8, false)}
+	vsmall := vllmWorkload(chatBody(1024, 8, false), false, 0)
+	vsse := vllmWorkload(chatBody(1024, 64, true), true, 64)
 	two := []mode{modeDirect, modeGateway}
 	three := two
 	if o.extproc {
 		three = []mode{modeDirect, modeExtProc, modeGateway}
 	}
 	cs := []cell{
-		{"small", "small-c1", 1, 1500, small, three},
-		{"small", "small-c16", 16, 3000, small, three},
-		{"small", "small-c64", 64, 3000, small, three},
-		{"sse", "sse-c1", 1, 600, sse, two},
-		{"large", "large-c1", 1, 300, large, two},
-		{"large", "large-c8", 8, 300, large, two},
+		{"small", "small-c1", 1, 1500, small, three, stackSGLang},
+		{"small", "small-c16", 16, 3000, small, three, stackSGLang},
+		{"small", "small-c64", 64, 3000, small, three, stackSGLang},
+		{"sse", "sse-c1", 1, 600, sse, two, stackSGLang},
+		{"large", "large-c1", 1, 300, large, two, stackSGLang},
+		{"large", "large-c8", 8, 300, large, two, stackSGLang},
+		{"vllm-small", "vllm-small-c1", 1, 1500, vsmall, three, stackVLLM},
+		{"vllm-small", "vllm-small-c16", 16, 3000, vsmall, three, stackVLLM},
+		{"vllm-sse", "vllm-sse-c1", 1, 600, vsse, two, stackVLLM},
 	}
 	var out []cell
 	want := map[string]bool{}
@@ -190,7 +219,7 @@ func cells(o options) []cell {
 		}
 	}
 	for _, c := range cs {
-		if len(want) > 0 && !want[c.scenario] && !want[c.name] {
+		if len(want) > 0 && !want[c.scenario] && !want[c.name] && !want[c.stack] {
 			continue
 		}
 		if o.quick {
@@ -199,6 +228,33 @@ func cells(o options) []cell {
 		out = append(out, c)
 	}
 	return out
+}
+
+// vllmWorkload is a chat workload with its NIXL prefill leg prepared.
+func vllmWorkload(body []byte, stream bool, tokens int) *workload {
+	leg, err := vllmPrefillLeg(body)
+	if err != nil {
+		panic(fmt.Sprintf("bench: vLLM prefill leg of %.80s: %v", body, err))
+	}
+	return &workload{path: "/v1/chat/completions", body: body, stream: stream, tokens: tokens, prefillLeg: leg}
+}
+
+// newStack dials the gateway's ext_proc port (when the mode is on) and
+// collects what the cells of the stack need.
+func newStack(name string, gw *gateway, t *target, direct reqFunc, epPort int, o options) (*stack, error) {
+	st := &stack{name: name, gw: gw, t: t, pids: cpuPids{gw: gw.Pid(), envoy: findChild(gw.Pid(), "envoy")}}
+	if st.pids.envoy == 0 {
+		logf("warning: Envoy child of pid %d not found; its CPU is not reported", gw.Pid())
+	}
+	if o.extproc {
+		ep, err := dialExtProc(fmt.Sprintf("127.0.0.1:%d", epPort), strings.TrimPrefix(gw.URL, "http://"))
+		if err != nil {
+			return nil, err
+		}
+		t.ep = ep
+	}
+	st.fns = map[mode]reqFunc{modeDirect: direct, modeExtProc: t.viaExtProc, modeGateway: t.viaGateway}
+	return st, nil
 }
 
 func run(ctx context.Context, o options) (err error) {
@@ -243,11 +299,15 @@ func run(ctx context.Context, o options) (err error) {
 	}
 	defer d.Close()
 
-	var epPort int
-	if o.extproc {
-		if epPort, err = freePort(); err != nil {
-			return err
+	freeEP := func() (int, error) {
+		if !o.extproc {
+			return 0, nil
 		}
+		return freePort()
+	}
+	epPort, err := freeEP()
+	if err != nil {
+		return err
 	}
 	env.gwBuild = buildInfo(bin, root)
 	logf("starting gateway (copy of %s)", filepath.Join(root, "bin", "smg-extproc"))
@@ -257,7 +317,8 @@ func run(ctx context.Context, o options) (err error) {
 			gwEnv = append(gwEnv, kv)
 		}
 	}
-	gw, err := startGateway(ctx, bin, envoy, p, d, epPort, gwEnv)
+	sgWorkers := []string{"--prefill", p.URL(), strconv.Itoa(p.BootstrapPort()), "--decode", d.URL()}
+	gw, err := startGateway(ctx, bin, envoy, sgWorkers, epPort, gwEnv, nil)
 	if err != nil {
 		return err
 	}
@@ -265,18 +326,65 @@ func run(ctx context.Context, o options) (err error) {
 		logf("stopping gateway")
 		gw.Stop()
 	}()
-	pids := cpuPids{gw: gw.Pid(), envoy: findChild(gw.Pid(), "envoy")}
-	if pids.envoy == 0 {
-		logf("warning: Envoy child of pid %d not found; its CPU is not reported", gw.Pid())
-	}
-
 	t := &target{client: newHTTPClient(), prefill: p.URL(), decode: d.URL(), bootPort: p.BootstrapPort(), gateway: gw.URL}
-	if o.extproc {
-		t.ep, err = dialExtProc(fmt.Sprintf("127.0.0.1:%d", epPort), strings.TrimPrefix(gw.URL, "http://"))
+	sg, err := newStack(stackSGLang, gw, t, t.direct, epPort, o)
+	if err != nil {
+		return err
+	}
+	if t.ep != nil {
+		defer t.ep.Close()
+	}
+	stacks := map[string]*stack{stackSGLang: sg}
+
+	if slices.ContainsFunc(cs, func(c cell) bool { return c.stack == stackVLLM }) {
+		vp, err := startVLLMFake(fctx, vllm.Producer)
 		if err != nil {
 			return err
 		}
-		defer t.ep.Close()
+		defer vp.Close()
+		vd, err := startVLLMFake(fctx, vllm.Consumer)
+		if err != nil {
+			return err
+		}
+		defer vd.Close()
+		vepPort, err := freeEP()
+		if err != nil {
+			return err
+		}
+		// A gateway of its own with only the vLLM pair: the SGLang gateway's
+		// round-robin prefill selection would alternate between both pools.
+		logf("starting the vLLM gateway; registering the NIXL prefill and decode through POST /workers")
+		var workers []workerInfo
+		register := func(ctx context.Context, g *gateway) error {
+			var err error
+			workers, err = registerWorkers(ctx, g.URL, []workerSpec{
+				{URL: vp.URL(), WorkerType: "prefill", KVConnector: string(vllm.Nixl)},
+				{URL: vd.URL(), WorkerType: "decode", KVConnector: string(vllm.Nixl)},
+			})
+			return err
+		}
+		vgw, err := startGateway(ctx, bin, envoy, nil, vepPort, gwEnv, register)
+		if err != nil {
+			return err
+		}
+		defer func() {
+			logf("stopping the vLLM gateway")
+			vgw.Stop()
+		}()
+		vt := &target{client: newHTTPClient(), prefill: vp.URL(), decode: vd.URL(), gateway: vgw.URL}
+		vl, err := newStack(stackVLLM, vgw, vt, vt.directSeq, vepPort, o)
+		if err != nil {
+			return err
+		}
+		if vt.ep != nil {
+			defer vt.ep.Close()
+		}
+		vl.workers = workers
+		stacks[stackVLLM] = vl
+		// Each gateway is idle while the other one's cells run: its CPU is
+		// the bench's own, not other processes' interference.
+		sg.pids.idle = []int{vl.pids.gw, vl.pids.envoy}
+		vl.pids.idle = []int{sg.pids.gw, sg.pids.envoy}
 	}
 	idle := idleState{waited: o.waitIdle > 0}
 	if o.waitIdle > 0 {
@@ -288,15 +396,14 @@ func run(ctx context.Context, o options) (err error) {
 			logf("machine still busy (%.0f%% used by other processes); running anyway", idle.share*100)
 		}
 	}
-	fns := map[mode]reqFunc{modeDirect: t.direct, modeExtProc: t.viaExtProc, modeGateway: t.viaGateway}
-
 	began := time.Now()
 	var results []*cellResult
 	for _, c := range cs {
 		if ctx.Err() != nil {
 			return ctx.Err()
 		}
-		r := runCell(ctx, c, fns, pids, o)
+		st := stacks[c.stack]
+		r := runCell(ctx, c, st.fns, st.pids, o)
 		logf("%s done in %.1fs (other processes: %.0f%% of the CPUs): %s", c.name, r.elapsed.Seconds(), r.noise(env.nproc)*100, oneLine(r))
 		// Other processes competing for the CPUs skew the comparison (the
 		// gateway needs more CPU than direct calls): wait and run the cell again.
@@ -304,7 +411,7 @@ func run(ctx context.Context, o options) (err error) {
 			logf("%s: other processes used %.0f%% of the CPUs (> %.0f%%); waiting for an idle machine and running it again (%d/%d)",
 				c.name, r.noise(env.nproc)*100, o.maxNoise*100, try, o.retries)
 			waitIdle(ctx, time.Minute, 0.10, env.nproc)
-			again := runCell(ctx, c, fns, pids, o)
+			again := runCell(ctx, c, st.fns, st.pids, o)
 			again.attempts = r.attempts + 1
 			logf("%s done in %.1fs (other processes: %.0f%% of the CPUs): %s", c.name, again.elapsed.Seconds(), again.noise(env.nproc)*100, oneLine(again))
 			if again.noise(env.nproc) < r.noise(env.nproc) {
@@ -320,9 +427,9 @@ func run(ctx context.Context, o options) (err error) {
 	}
 	var prof *profile
 	if o.perf {
-		prof = runProfile(ctx, t, pids, o)
+		prof = runProfile(ctx, sg.t, sg.pids, o)
 	}
-	rep := report(env, o, gw, results, prof, idle, time.Since(began))
+	rep := report(env, o, stacks, results, prof, idle, time.Since(began))
 	fmt.Print(rep)
 	if o.out != "" {
 		if err := os.WriteFile(o.out, []byte(rep), 0o644); err != nil {
@@ -330,8 +437,10 @@ func run(ctx context.Context, o options) (err error) {
 		}
 		logf("report written to %s", o.out)
 	}
-	if gw.exitedEarly() {
-		return fmt.Errorf("gateway exited during the run:\n%s", tail(gw.logs.String(), 4000))
+	for _, name := range []string{stackSGLang, stackVLLM} {
+		if st := stacks[name]; st != nil && st.gw.exitedEarly() {
+			return fmt.Errorf("%s gateway exited during the run:\n%s", name, tail(st.gw.logs.String(), 4000))
+		}
 	}
 	return nil
 }

@@ -94,7 +94,9 @@ func commandLine() string {
 	return strings.TrimSpace("go run ./test/bench " + args)
 }
 
-func report(env envInfo, o options, gw *gateway, rs []*cellResult, prof *profile, idle idleState, took time.Duration) string {
+func report(env envInfo, o options, stacks map[string]*stack, rs []*cellResult, prof *profile, idle idleState, took time.Duration) string {
+	gw := stacks[stackSGLang].gw
+	vl := stacks[stackVLLM]
 	var w strings.Builder
 	p := func(format string, args ...any) { fmt.Fprintf(&w, format, args...) }
 	p("# smg-extproc: what the gateway adds\n\n")
@@ -107,9 +109,21 @@ func report(env envInfo, o options, gw *gateway, rs []*cellResult, prof *profile
 	if len(gw.Env) > 0 {
 		p("- Gateway environment additions: `%s`\n", strings.Join(gw.Env, " "))
 	}
-	p("- Engines: one fake SGLang prefill and one fake decode (pkg/fake/sglang, zero prefill/per-token/transfer delay) inside the bench process; the decode really waits for its prefill over the bootstrap server.\n")
+	if vl != nil {
+		var pairing []string
+		for _, w := range vl.workers {
+			pairing = append(pairing, fmt.Sprintf("%s runtime `%s`, `%s`, pairing `%s`", w.WorkerType, w.RuntimeType, w.KVConnector, w.PDPairing))
+		}
+		p("- vLLM gateway (the vllm-* cells): a second `bin/smg-extproc %s` with no worker on the command line; the fake vLLM prefill and decode were added through `POST /workers` (`{\"url\",\"worker_type\",\"kv_connector\":\"NixlConnector\"}`) and were ready before measuring (GET /workers: %s). Each gateway is idle while the other one's cells run.\n",
+			strings.Join(shortArgs(vl.gw.Args), " "), strings.Join(pairing, "; "))
+	}
+	p("- Engines: one fake SGLang prefill and one fake decode (pkg/fake/sglang, zero prefill/per-token/transfer delay) inside the bench process; the decode really waits for its prefill over the bootstrap server.")
+	if vl != nil {
+		p(" vLLM cells: one strict fake vLLM prefill (`kv_producer`) and one decode (`kv_consumer`), both `NixlConnector` (pkg/fake/vllm, zero delays), also in the bench process; the decode reads the handoff from the prefill's NIXL side channel.")
+	}
+	p("\n")
 	p("- Method: closed loop, c workers each sending its next request when the last one ends; per cell every mode is warmed up, then runs in %d rounds in ABBA order (cap %s per mode); HTTP/1.1 keep-alive, no compression. Latency = request start to the last byte of the decode answer. Every answer is checked: 200, `X-Fake-KV: transferred`, a chat completion JSON or a complete SSE stream ending in `[DONE]`.\n", o.rounds, o.capMode)
-	p("- Modes: **direct** = the bench is an ideal zero-cost gateway (mints the room, appends `bootstrap_host/port/room`, POSTs prefill and decode at once, drains the prefill, times the decode); **ext_proc only** = the bench plays Envoy against smg-extproc's gRPC port (request headers, buffered body, decode leg sent by the bench with the processor's body, response headers) — Go processor + gRPC without Envoy; **via gateway** = the client body to Envoy's port.\n")
+	p("- Modes: **direct** = the bench is an ideal zero-cost gateway (SGLang: mints the room, appends `bootstrap_host/port/room`, POSTs prefill and decode at once, drains the prefill, times the decode; vLLM NIXL, sequential: POSTs the one-token prefill leg — `max_tokens` 1, `stream` false, `kv_transfer_params` `{\"do_remote_decode\":true,\"do_remote_prefill\":false}`, built once per workload — reads the top-level `kv_transfer_params` of its JSON answer, POSTs the client body plus those params verbatim to the decode, times both legs); **ext_proc only** = the bench plays Envoy against smg-extproc's gRPC port (request headers, buffered body, decode leg sent by the bench with the processor's body, response headers) — Go processor + gRPC without Envoy; **via gateway** = the client body to Envoy's port.\n")
 	noisy := false
 	var noise []string
 	for _, r := range rs {
@@ -143,6 +157,8 @@ func report(env envInfo, o options, gw *gateway, rs []*cellResult, prof *profile
 		{"small", "1. Small non-streaming chat (1 KB body, `max_tokens` 8)"},
 		{"sse", "2. Streaming chat (SSE, 64 tokens, c=1)"},
 		{"large", "3. Large non-streaming chat (~400 KB prompt, `max_tokens` 8)"},
+		{"vllm-small", "4. vLLM NIXL (sequential): small non-streaming chat (1 KB body, `max_tokens` 8)"},
+		{"vllm-sse", "5. vLLM NIXL (sequential): streaming chat (SSE, 64 tokens, c=1)"},
 	}
 	for _, sec := range sections {
 		var cs []*cellResult
@@ -155,7 +171,14 @@ func report(env envInfo, o options, gw *gateway, rs []*cellResult, prof *profile
 			continue
 		}
 		p("## %s\n\n", sec.title)
-		if sec.scenario == "sse" {
+		if cs[0].stack == stackVLLM {
+			p("Sequential path: the prefill leg (one token) must answer before the decode leg goes out. direct = the bench relays the handoff itself (prefill, then decode); via gateway = the vLLM gateway does it.\n\n")
+		}
+		phases := phaseNames
+		if cs[0].stack == stackVLLM {
+			phases = vllmPhaseNames
+		}
+		if cs[0].w.stream {
 			p("| c | mode | n | errors | first byte p50 ms | first byte p99 ms | full stream p50 ms | full stream p99 ms | req/s |\n|---|---|---|---|---|---|---|---|---|\n")
 			for _, r := range cs {
 				for _, m := range r.modes {
@@ -201,7 +224,7 @@ func report(env envInfo, o options, gw *gateway, rs []*cellResult, prof *profile
 			}
 			if hasEP {
 				p("\next_proc only, where a request's time goes (mean of each step, ms; the bench plays Envoy; the steps add up to the mean latency):\n\n| c |")
-				for _, n := range phaseNames {
+				for _, n := range phases {
 					p(" %s |", n)
 				}
 				p(" rest (decode body read, client) | mean latency |\n|---|---|---|---|---|---|---|\n")

@@ -3,8 +3,10 @@ package main
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"os"
@@ -17,6 +19,7 @@ import (
 	"time"
 
 	"github.com/smg-project/smg-extproc/pkg/fake/sglang"
+	"github.com/smg-project/smg-extproc/pkg/fake/vllm"
 )
 
 // repoRoot walks up from the working directory to the directory holding go.mod.
@@ -88,6 +91,96 @@ func startFake(ctx context.Context, mode sglang.Mode) (*sglang.Server, error) {
 	return s, nil
 }
 
+// startVLLMFake starts one strict in-process fake vLLM engine with the NIXL
+// connector and no artificial delays; the request and event logs keep one
+// entry each.
+func startVLLMFake(ctx context.Context, role vllm.Role) (*vllm.Server, error) {
+	s := vllm.New(vllm.Config{Role: role, Connector: vllm.Nixl, MaxRecorded: 1})
+	if err := s.Start(ctx); err != nil {
+		return nil, err
+	}
+	return s, nil
+}
+
+// workerSpec is one POST /workers body.
+type workerSpec struct {
+	URL         string `json:"url"`
+	WorkerType  string `json:"worker_type"`
+	KVConnector string `json:"kv_connector,omitempty"`
+}
+
+// workerInfo is the part of GET /workers the bench checks.
+type workerInfo struct {
+	URL         string `json:"url"`
+	WorkerType  string `json:"worker_type"`
+	RuntimeType string `json:"runtime_type"`
+	KVConnector string `json:"kv_connector"`
+	PDPairing   string `json:"pd_pairing"`
+	Status      string `json:"status"`
+}
+
+// registerWorkers adds specs through the gateway's worker API (POST /workers
+// on the client port) and waits until GET /workers lists every one of them
+// as ready with the vLLM runtime (detected from /v1/models) and its
+// connector: only then does a request take the sequential NIXL path.
+func registerWorkers(ctx context.Context, gwURL string, specs []workerSpec) ([]workerInfo, error) {
+	c := &http.Client{Timeout: 10 * time.Second}
+	for _, sp := range specs {
+		b, _ := json.Marshal(sp)
+		resp, err := c.Post(gwURL+"/workers", "application/json", bytes.NewReader(b))
+		if err != nil {
+			return nil, fmt.Errorf("POST /workers %s: %w", b, err)
+		}
+		body, _ := io.ReadAll(io.LimitReader(resp.Body, 500))
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusAccepted {
+			return nil, fmt.Errorf("POST /workers %s: status %d: %s", b, resp.StatusCode, body)
+		}
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	last := ""
+	for {
+		var list struct {
+			Workers []workerInfo `json:"workers"`
+		}
+		resp, err := c.Get(gwURL + "/workers")
+		if err == nil {
+			b, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			last = string(b)
+			if resp.StatusCode == http.StatusOK && json.Unmarshal(b, &list) == nil {
+				var got []workerInfo
+				for _, sp := range specs {
+					for _, w := range list.Workers {
+						if w.URL == sp.URL && w.WorkerType == sp.WorkerType && w.Status == "ready" {
+							got = append(got, w)
+						}
+					}
+				}
+				if len(got) == len(specs) && len(list.Workers) == len(specs) {
+					for _, w := range got {
+						if w.RuntimeType != "vllm" || w.KVConnector != string(vllm.Nixl) {
+							return nil, fmt.Errorf("worker %s registered as runtime %q, kv_connector %q: want vllm, %s",
+								w.URL, w.RuntimeType, w.KVConnector, vllm.Nixl)
+						}
+					}
+					return got, nil
+				}
+			}
+		} else {
+			last = err.Error()
+		}
+		if time.Now().After(deadline) {
+			return nil, fmt.Errorf("workers not ready after 30 s; GET /workers: %s", tail(last, 1000))
+		}
+		select {
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+}
+
 // syncBuffer collects the gateway's output.
 type syncBuffer struct {
 	mu sync.Mutex
@@ -116,9 +209,14 @@ type gateway struct {
 	exited chan struct{}
 }
 
-// startGateway runs the launch command of the brief on free loopback ports;
-// extprocPort > 0 also fixes the ext_proc gRPC port so the bench can dial it.
-func startGateway(ctx context.Context, bin, envoy string, prefill *sglang.Server, decode *sglang.Server, extprocPort int, env []string) (*gateway, error) {
+// startGateway runs the launch command of the brief on free loopback ports,
+// with workers (--prefill/--decode arguments; none for a gateway whose
+// workers arrive through the worker API); extprocPort > 0 also fixes the
+// ext_proc gRPC port so the bench can dial it. setup, when set, runs once
+// Envoy answers /liveness (the vLLM stack registers its workers there);
+// the gateway is ready when a PD request through Envoy passes validation.
+func startGateway(ctx context.Context, bin, envoy string, workers []string, extprocPort int, env []string,
+	setup func(context.Context, *gateway) error) (*gateway, error) {
 	port, err := freePort()
 	if err != nil {
 		return nil, err
@@ -128,10 +226,9 @@ func startGateway(ctx context.Context, bin, envoy string, prefill *sglang.Server
 		return nil, err
 	}
 	args := []string{"launch", "--pd-disaggregation", "--host", "127.0.0.1", "--port", strconv.Itoa(port),
-		"--prometheus-port", strconv.Itoa(prom),
-		"--prefill", prefill.URL(), strconv.Itoa(prefill.BootstrapPort()),
-		"--decode", decode.URL(),
-		"--policy", "round_robin", "--envoy-path", envoy, "--log-level", "warn", "--envoy-log-level", "error"}
+		"--prometheus-port", strconv.Itoa(prom)}
+	args = append(args, workers...)
+	args = append(args, "--policy", "round_robin", "--envoy-path", envoy, "--log-level", "warn", "--envoy-log-level", "error")
 	if extprocPort > 0 {
 		args = append(args, "--extproc-port", strconv.Itoa(extprocPort))
 	}
@@ -149,19 +246,20 @@ func startGateway(ctx context.Context, bin, envoy string, prefill *sglang.Server
 		return nil, fmt.Errorf("start %s: %w", bin, err)
 	}
 	go func() { _ = g.cmd.Wait(); close(g.exited) }()
-	if err := g.waitReady(ctx); err != nil {
+	if err := g.waitReady(ctx, setup); err != nil {
 		g.Stop()
 		return nil, fmt.Errorf("%w\ngateway output:\n%s", err, tail(g.logs.String(), 4000))
 	}
 	return g, nil
 }
 
-// waitReady returns once Envoy serves PD requests: the launcher's "gateway
-// ready" line (logged when Envoy is LIVE) or, at log levels that hide it, a
-// /liveness answer through Envoy followed by one PD request that succeeds.
-func (g *gateway) waitReady(ctx context.Context) error {
+// waitReady returns once Envoy serves PD requests: /liveness answers
+// through Envoy, setup (if any) has run, and one small PD request through
+// Envoy comes back 200 with X-Fake-KV: transferred.
+func (g *gateway) waitReady(ctx context.Context, setup func(context.Context, *gateway) error) error {
 	deadline := time.Now().Add(90 * time.Second)
 	c := &http.Client{Timeout: 10 * time.Second}
+	live, lastErr := false, "no answer"
 	for {
 		select {
 		case <-g.exited:
@@ -170,26 +268,41 @@ func (g *gateway) waitReady(ctx context.Context) error {
 			return ctx.Err()
 		default:
 		}
-		if strings.Contains(g.logs.String(), "gateway ready") {
-			return nil
-		}
-		if resp, err := c.Get(g.URL + "/liveness"); err == nil {
-			resp.Body.Close()
-			if resp.StatusCode == http.StatusOK {
-				body := `{"model":"fake-model","messages":[{"role":"user","content":"ready?"}],"max_tokens":1}`
-				resp, err := c.Post(g.URL+"/v1/chat/completions", "application/json", strings.NewReader(body))
-				if err == nil {
-					resp.Body.Close()
-					if resp.StatusCode == http.StatusOK {
-						return nil
-					}
+		if !live {
+			if resp, err := c.Get(g.URL + "/liveness"); err == nil {
+				resp.Body.Close()
+				live = resp.StatusCode == http.StatusOK
+			}
+			if live && setup != nil {
+				if err := setup(ctx, g); err != nil {
+					return err
 				}
 			}
 		}
-		if time.Now().After(deadline) {
-			return errors.New("gateway not ready after 90 s")
+		if live {
+			body := `{"model":"fake-model","messages":[{"role":"user","content":"ready?"}],"max_tokens":1}`
+			resp, err := c.Post(g.URL+"/v1/chat/completions", "application/json", strings.NewReader(body))
+			if err == nil {
+				b, _ := io.ReadAll(io.LimitReader(resp.Body, 300))
+				resp.Body.Close()
+				if resp.StatusCode == http.StatusOK && resp.Header.Get("X-Fake-KV") == "transferred" {
+					return nil
+				}
+				lastErr = fmt.Sprintf("status %d, X-Fake-KV %q: %s", resp.StatusCode, resp.Header.Get("X-Fake-KV"), b)
+			} else {
+				lastErr = err.Error()
+			}
 		}
-		time.Sleep(100 * time.Millisecond)
+		if time.Now().After(deadline) {
+			return fmt.Errorf("gateway not ready after 90 s (live %v; last PD request: %s)", live, lastErr)
+		}
+		// A probe that fails counts against a worker's circuit breaker, so
+		// PD probes are spaced out; /liveness is polled faster.
+		if live {
+			time.Sleep(250 * time.Millisecond)
+		} else {
+			time.Sleep(100 * time.Millisecond)
+		}
 	}
 }
 
