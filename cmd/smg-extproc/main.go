@@ -316,7 +316,7 @@ func run(withEnvoy bool, cfg config.Config, file *config.File) error {
 		Log: log.With().Str("component", "extproc").Logger(), Registry: reg,
 		Selector: sel,
 		Client:   client, Metrics: m, RequestTimeout: cfg.RequestTimeout(), MaxPayloadSize: cfg.MaxPayloadSize,
-		Retry: retry, FleetMetrics: fm,
+		Retry: retry, FleetMetrics: fm, DestinationHeader: cfg.DestinationHeader,
 	})
 	maxMsg := int(cfg.MaxPayloadSize) + 1<<20
 	if cfg.MaxPayloadSize > 1<<31-1<<21 {

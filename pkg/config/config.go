@@ -89,6 +89,9 @@ type Config struct {
 	ExtProcPort      int    // gRPC port: ext_proc and ADS
 	AdminPort        int    // internal HTTP: /workers, probes
 	NodeID           string
+	// DestinationHeader also names the decode in the x-gateway-destination-endpoint
+	// request header (Envoy Gateway's endpointOverride reads only a header).
+	DestinationHeader bool
 
 	logJSON bool
 
@@ -219,6 +222,7 @@ func (c *Config) table() map[string]spec {
 		"extproc-port":                      {kInt, &c.ExtProcPort, "ext_proc + ADS gRPC port"},
 		"admin-port":                        {kInt, &c.AdminPort, "internal admin HTTP port Envoy forwards /workers and probes to"},
 		"node-id":                           {kString, &c.NodeID, "Envoy node id"},
+		"destination-header":                {kBool, &c.DestinationHeader, "also set x-gateway-destination-endpoint (for Envoy Gateway's endpointOverride)"},
 		"cache-threshold":                   {kFloat, &c.CacheThreshold, "cache_aware match threshold"},
 		"balance-abs-threshold":             {kInt, &c.BalanceAbsThreshold, "load imbalance threshold (absolute)"},
 		"balance-rel-threshold":             {kFloat, &c.BalanceRelThreshold, "load imbalance threshold (relative)"},

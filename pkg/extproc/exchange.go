@@ -360,6 +360,9 @@ func (x *exchange) releaseDecode(dBody []byte) error {
 		hv("content-type", "application/json"),
 		hv("content-length", strconv.Itoa(len(dBody))),
 	}
+	if d.DestinationHeader {
+		set = append(set, hv(xds.MetadataKey, pair.Decode.Addr))
+	}
 	return x.send(&extprocv3.ProcessingResponse{
 		Response: &extprocv3.ProcessingResponse_RequestBody{RequestBody: &extprocv3.BodyResponse{Response: &extprocv3.CommonResponse{
 			HeaderMutation: &extprocv3.HeaderMutation{SetHeaders: set},

@@ -33,6 +33,10 @@ type Deps struct {
 	// MaxPayloadSize is checked here as well as by Envoy's buffer limit, which
 	// may round up to the connection's buffer size.
 	MaxPayloadSize int64
+	// DestinationHeader also names the decode in the x-gateway-destination-endpoint
+	// request header; the client's own value never survives (the allowlist
+	// removes it first), so a client still cannot pick the upstream.
+	DestinationHeader bool
 	// Retry drives whole-attempt retries through the per-try processor.
 	Retry        fleet.RetryConfig
 	FleetMetrics *fleet.Metrics

@@ -249,3 +249,16 @@ func TestUpstreamCannotBeChosenByClient(t *testing.T) {
 	assert.Zero(t, rogueHits.Load(), "a client header reached an unregistered address")
 	_ = context.Background
 }
+
+// TestDestinationHeader: with --destination-header (for Envoy Gateway) the
+// decode's x-gateway-destination-endpoint is the processor's choice, never
+// the client's.
+func TestDestinationHeader(t *testing.T) {
+	s := newStack(t, "--destination-header")
+	r := post(t, s.GW.URL+"/v1/chat/completions", chatBody, map[string]string{"X-Gateway-Destination-Endpoint": "10.9.9.9:1"})
+	require.Equal(t, 200, r.Status, "%s", r.Body)
+	got := onlyRequest(t, "decode", s.D.Requests()).Header.Values("X-Gateway-Destination-Endpoint")
+	require.Len(t, got, 1)
+	assert.Equal(t, strings.TrimPrefix(s.D.URL(), "http://"), got[0])
+	assert.Empty(t, onlyRequest(t, "prefill", s.P.Requests()).Header.Get("X-Gateway-Destination-Endpoint"))
+}
