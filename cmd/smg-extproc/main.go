@@ -157,6 +157,14 @@ func renderBootstrap(cfg *config.Config, extprocPort, adminPort int) ([]byte, er
 	})
 }
 
+func inFlight(reg *workers.Registry) int64 {
+	var n int64
+	for _, w := range reg.Snapshot() {
+		n += w.Load()
+	}
+	return n
+}
+
 func fileSpecs(f *config.File) []workers.Spec {
 	out := make([]workers.Spec, 0, len(f.Workers))
 	for _, w := range f.Workers {
@@ -343,7 +351,9 @@ func run(withEnvoy bool, cfg config.Config, file *config.File) error {
 	if err != nil {
 		return fmt.Errorf("admin listener: %w", err)
 	}
-	adminSrv := &http.Server{Handler: admin.Handler(admin.Deps{Log: log, Registry: reg, Client: client, APIKey: cfg.APIKey, Manager: mgr, PairingKey: pairing.KeyOf}),
+	var draining atomic.Bool
+	adminSrv := &http.Server{Handler: admin.Handler(admin.Deps{Log: log, Registry: reg, Client: client, APIKey: cfg.APIKey, Manager: mgr, PairingKey: pairing.KeyOf,
+		Draining: draining.Load}),
 		ReadHeaderTimeout: 10 * time.Second}
 	var envoyAdmin atomic.Value // Envoy's admin address once launched
 	var promSrv *http.Server
@@ -434,7 +444,18 @@ func run(withEnvoy bool, cfg config.Config, file *config.File) error {
 	var runErr error
 	select {
 	case <-ctx.Done():
-		log.Info().Msg("shutting down")
+		// Readiness turns 503 so load balancers move away; in-flight requests
+		// (streams included) finish within the grace period.
+		draining.Store(true)
+		grace := time.Duration(cfg.ShutdownGraceSecs) * time.Second
+		log.Info().Dur("grace", grace).Msg("shutting down: draining in-flight requests")
+		deadline := time.Now().Add(grace)
+		for inFlight(reg) > 0 && time.Now().Before(deadline) {
+			time.Sleep(50 * time.Millisecond)
+		}
+		if n := inFlight(reg); n > 0 {
+			log.Warn().Int64("in_flight", n).Msg("grace period over; stopping with requests in flight")
+		}
 	case <-childExited:
 		runErr = fmt.Errorf("envoy exited: %v", child.Err())
 	case err := <-errc:

@@ -29,6 +29,8 @@ type Deps struct {
 	Manager  *manager.Manager
 	// PairingKey renders a worker's pd_pairing key (nil: omitted).
 	PairingKey func(*workers.Worker) string
+	// Draining reports a shutdown in progress (readiness answers 503).
+	Draining func() bool
 }
 
 // Handler returns the admin HTTP handler.
@@ -65,6 +67,10 @@ func writeJSON(w http.ResponseWriter, status int, v any) {
 }
 
 func (a *server) readiness(w http.ResponseWriter, _ *http.Request) {
+	if a.d.Draining != nil && a.d.Draining() {
+		writeJSON(w, 503, map[string]any{"status": "not ready", "reason": "draining"})
+		return
+	}
 	snap := a.d.Registry.Snapshot()
 	var hp, hd, healthy int
 	for _, wk := range snap {

@@ -92,6 +92,8 @@ type Config struct {
 	// DestinationHeader also names the decode in the x-gateway-destination-endpoint
 	// request header (Envoy Gateway's endpointOverride reads only a header).
 	DestinationHeader bool
+	// ShutdownGraceSecs bounds how long SIGTERM waits for in-flight requests.
+	ShutdownGraceSecs int
 
 	logJSON bool
 
@@ -130,12 +132,13 @@ func Defaults() Config {
 		MaxTreeSize: 67108864, BlockSize: 16, PrefixTokenCount: 256, PrefixHashLoadFactor: 1.25,
 		PrefixHashBalanceAbsThreshold: 10, LeastLoadKVPressureWeight: 0.15, LeastLoadDefaultThroughput: 2000,
 		LeastLoadMeanPrefillTokens: 1024, AssignmentMode: "random", MaxIdleSecs: 14400, LoadMonitorIntervalSecs: 10,
-		EnvoyLogLevel:  "warning",
-		ControlHost:    "127.0.0.1",
-		ExtProcPort:    18001,
-		AdminPort:      18002,
-		EnvoyAdminPort: 0,
-		NodeID:         "smg-envoy",
+		EnvoyLogLevel:     "warning",
+		ControlHost:       "127.0.0.1",
+		ExtProcPort:       18001,
+		AdminPort:         18002,
+		EnvoyAdminPort:    0,
+		NodeID:            "smg-envoy",
+		ShutdownGraceSecs: 30,
 	}
 }
 
@@ -222,6 +225,7 @@ func (c *Config) table() map[string]spec {
 		"extproc-port":                      {kInt, &c.ExtProcPort, "ext_proc + ADS gRPC port"},
 		"admin-port":                        {kInt, &c.AdminPort, "internal admin HTTP port Envoy forwards /workers and probes to"},
 		"node-id":                           {kString, &c.NodeID, "Envoy node id"},
+		"shutdown-grace-secs":               {kInt, &c.ShutdownGraceSecs, "on SIGTERM, wait up to this long for in-flight requests (readiness says draining)"},
 		"destination-header":                {kBool, &c.DestinationHeader, "also set x-gateway-destination-endpoint (for Envoy Gateway's endpointOverride)"},
 		"cache-threshold":                   {kFloat, &c.CacheThreshold, "cache_aware match threshold"},
 		"balance-abs-threshold":             {kInt, &c.BalanceAbsThreshold, "load imbalance threshold (absolute)"},

@@ -3,10 +3,12 @@ package integration
 import (
 	"encoding/json"
 	"fmt"
+	"io"
 	"os"
 	"path/filepath"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -310,4 +312,41 @@ func TestConfigFileReload(t *testing.T) {
 	waitFor(t, 10*time.Second, func() bool { return strings.Contains(gw.Logs(), "config file rejected") }, "broken config not reported")
 	assert.Len(t, listWorkers(t, gw, nil), 2)
 	assert.Equal(t, 200, post(t, gw.URL+"/v1/completions", `{"prompt":"c"}`, nil).Status)
+}
+
+// TestGracefulShutdown: SIGTERM turns readiness to "draining", lets an
+// in-flight stream finish, then exits.
+func TestGracefulShutdown(t *testing.T) {
+	p := startFake(t, fastFake(sglang.Prefill))
+	slow := fastFake(sglang.Decode)
+	slow.PerTokenDelay = 100 * time.Millisecond
+	d := startFake(t, slow)
+	gw := startGateway(t, gwOpts{Prefills: []prefillSpec{{URL: p.URL(), Port: fmt.Sprint(p.BootstrapPort())}}, Decodes: []string{d.URL()},
+		Extra: []string{"--shutdown-grace-secs", "20"}})
+	var wg sync.WaitGroup
+	var streamed Response
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		streamed = post(t, gw.URL+"/v1/chat/completions", `{"messages":[{"role":"user","content":"long"}],"max_tokens":15,"stream":true}`, nil)
+	}()
+	waitFor(t, 5*time.Second, func() bool { return len(d.Requests()) == 1 }, "stream did not start")
+	require.NoError(t, gw.cmd.Process.Signal(syscall.SIGTERM))
+	waitFor(t, 5*time.Second, func() bool {
+		r, err := client.Get(gw.URL + "/readiness")
+		if err != nil {
+			return false
+		}
+		defer r.Body.Close()
+		b, _ := io.ReadAll(r.Body)
+		return r.StatusCode == 503 && strings.Contains(string(b), "draining")
+	}, "readiness never reported draining")
+	wg.Wait()
+	require.Equal(t, 200, streamed.Status)
+	assert.True(t, strings.HasSuffix(strings.TrimSpace(string(streamed.Body)), "data: [DONE]"), "in-flight stream finished: %s", tail(string(streamed.Body), 200))
+	select {
+	case <-gw.exited:
+	case <-time.After(15 * time.Second):
+		t.Fatal("gateway did not exit after draining")
+	}
 }
