@@ -245,3 +245,39 @@ func TestVLLMMoRIIO(t *testing.T) {
 		assert.Zero(t, len(pr.p.Requests())+len(pr.d.Requests()))
 	})
 }
+
+// TestVLLMNixlWithoutHandoff: a NIXL prefill that returns no kv_transfer_params
+// (its first token was EOS) still yields an answer — the decode recomputes —
+// and smg_pd_kv_transfer_failures_total counts it.
+func TestVLLMNixlWithoutHandoff(t *testing.T) {
+	p := startVLLM(t, vllm.Config{Role: vllm.Producer, Connector: vllm.Nixl, EOSAt: 1})
+	d := startVLLM(t, vllm.Config{Role: vllm.Consumer, Connector: vllm.Nixl})
+	gw := startGateway(t, gwOpts{Extra: []string{"--disable-retries"}})
+	addWorker(t, gw, fmt.Sprintf(`{"url":%q,"worker_type":"prefill","kv_connector":"NixlConnector"}`, p.URL()), nil)
+	addWorker(t, gw, fmt.Sprintf(`{"url":%q,"worker_type":"decode","kv_connector":"NixlConnector"}`, d.URL()), nil)
+	r := post(t, gw.URL+"/v1/completions", `{"prompt":"stop early","max_tokens":4}`, nil)
+	require.Equal(t, 200, r.Status, "%s", r.Body)
+	assert.Equal(t, "recomputed", r.Header.Get("X-Fake-KV"))
+	assert.NotContains(t, legBody(t, onlyRequest(t, "decode", d.Requests())), "kv_transfer_params")
+	assert.Contains(t, string(do(t, "GET", gw.MetricsURL, nil, nil).Body), "smg_pd_kv_transfer_failures_total 1")
+}
+
+// TestVLLMMoRIIOConcurrentPrefillFailure: under concurrent WRITE both legs go
+// out at once; a failing prefill answers the client and the decode leg
+// (waiting for a push that never comes) is dropped.
+func TestVLLMMoRIIOConcurrentPrefillFailure(t *testing.T) {
+	p := startVLLM(t, vllm.Config{Role: vllm.Producer, Connector: vllm.MoRIIO, MoRIIOMode: vllm.Write, FailStatus: 503, FailBody: `{"error":{"message":"prefill busy"}}`})
+	d := startVLLM(t, vllm.Config{Role: vllm.Consumer, Connector: vllm.MoRIIO, MoRIIOMode: vllm.Write})
+	gw := startGateway(t, gwOpts{Extra: []string{"--disable-retries"}})
+	lab := func(s *vllm.Server, extra string) string {
+		return fmt.Sprintf(`{"moriio_mode":"write","moriio_host":"127.0.0.1","moriio_handshake_port":"%d","moriio_notify_port":"%d"%s}`, s.HandshakePort(), s.NotifyPort(), extra)
+	}
+	addWorker(t, gw, fmt.Sprintf(`{"url":%q,"worker_type":"prefill","runtime_type":"vllm","kv_connector":"MoRIIOConnector","labels":%s}`, p.URL(), lab(p, "")), nil)
+	addWorker(t, gw, fmt.Sprintf(`{"url":%q,"worker_type":"decode","runtime_type":"vllm","kv_connector":"MoRIIOConnector","labels":%s}`, d.URL(), lab(d, `,"moriio_write_dispatch":"concurrent"`)), nil)
+	r := post(t, gw.URL+"/v1/chat/completions", `{"messages":[{"role":"user","content":"x"}],"max_tokens":3}`, nil)
+	require.Equal(t, 503, r.Status, "%s", r.Body)
+	code, msg, _ := errorBody(t, r)
+	assert.Equal(t, "prefill_upstream_error", code)
+	assert.Equal(t, "prefill busy", msg)
+	assert.Len(t, d.Requests(), 1, "the decode leg went out concurrently")
+}
