@@ -69,6 +69,14 @@ func New(ctx context.Context, reg *workers.Registry, log zerolog.Logger, hooks H
 		jobs: map[string]*Job{}, stops: map[*workers.Worker]func(){}, byURL: map[string]string{}}
 }
 
+// endpointKey identifies a pending registration by the endpoint it names.
+func endpointKey(w *workers.Worker) string {
+	if w.DPRank != nil {
+		return fmt.Sprintf("%s@%d", w.BaseURL, *w.DPRank)
+	}
+	return w.BaseURL
+}
+
 // Validate checks a spec without registering it.
 func Validate(spec workers.Spec) error {
 	switch spec.Type {
@@ -107,13 +115,13 @@ func (m *Manager) Submit(spec workers.Spec) (string, error) {
 		return "", fmt.Errorf("%w: Worker already exists at URL '%s' with ID %s. Use PUT /workers/%s to replace or PATCH /workers/%s to update.",
 			ErrExists, x.URL, x.ID, x.ID, x.ID)
 	}
-	if id, ok := m.byURL[w.URL]; ok {
+	if id, ok := m.byURL[endpointKey(w)]; ok {
 		m.mu.Unlock()
 		return "", fmt.Errorf("%w: Worker already exists at URL '%s' with ID %s (registration pending).", ErrExists, w.URL, id)
 	}
 	job := &Job{ID: w.ID, Type: "AddWorker", URL: w.URL, Status: "pending", Timestamp: time.Now()}
 	m.jobs[w.ID] = job
-	m.byURL[w.URL] = w.ID
+	m.byURL[endpointKey(w)] = w.ID
 	m.wg.Add(1)
 	m.mu.Unlock()
 	go func() {
@@ -138,7 +146,7 @@ func (m *Manager) register(w *workers.Worker, detect bool, job *Job) {
 	w.SetStatus(workers.StatusPending)
 	m.mu.Lock()
 	delete(m.jobs, w.ID)
-	delete(m.byURL, w.URL)
+	delete(m.byURL, endpointKey(w))
 	if err := m.reg.Add(w); err != nil {
 		m.mu.Unlock()
 		job.Status, job.Message = "failed", err.Error()

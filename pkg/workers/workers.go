@@ -317,10 +317,29 @@ func (r *Registry) Get(id string) (*Worker, bool) {
 	return nil, false
 }
 
-// FindURL returns the worker registered at url.
+// Same reports whether two workers name the same engine endpoint: spellings
+// such as "h:1", "http://h:1" and "http://h:1/" are one worker.
+func (w *Worker) Same(o *Worker) bool {
+	return w.BaseURL == o.BaseURL && sameRank(w.DPRank, o.DPRank)
+}
+
+func sameRank(a, b *int) bool {
+	if a == nil || b == nil {
+		return a == b
+	}
+	return *a == *b
+}
+
+// FindURL returns the worker registered at url, matching it as registered
+// or by the endpoint it names.
 func (r *Registry) FindURL(u string) (*Worker, bool) {
+	base, rank, _ := splitRank(strings.TrimSpace(u))
+	if base != "" && !strings.Contains(base, "://") {
+		base = "http://" + base
+	}
+	base = strings.TrimSuffix(base, "/")
 	for _, w := range r.Snapshot() {
-		if w.URL == u {
+		if w.URL == u || (w.BaseURL == base && sameRank(w.DPRank, rank)) {
 			return w, true
 		}
 	}
@@ -339,7 +358,7 @@ func (r *Registry) Add(w *Worker) error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	for _, x := range r.workers {
-		if x.URL == w.URL {
+		if x.URL == w.URL || x.Same(w) {
 			return &ErrExists{Existing: x}
 		}
 	}
