@@ -304,6 +304,11 @@ func parse(args []string) (Config, error) {
 			}
 			if s.kind == kBool {
 				*s.dst.(*bool) = v
+				if name == "log-json" && v {
+					// Applied in order, so a later --log-format (the command
+					// line after a config file) still wins.
+					c.LogFormat = "json"
+				}
 			} else {
 				c.Ignored = append(c.Ignored, "--"+name)
 			}
@@ -412,9 +417,6 @@ func (c *Config) Validate() error {
 	case "off", "lenient", "strict":
 	default:
 		return fmt.Errorf("--pd-pairing-mode must be off, lenient or strict")
-	}
-	if c.logJSON {
-		c.LogFormat = "json"
 	}
 	switch c.LogFormat {
 	case "json", "console":

@@ -293,3 +293,12 @@ func TestUsageListsFlags(t *testing.T) {
 	}
 	assert.NotContains(t, out, "--model-path", "ignored flags carry no help")
 }
+
+func TestLogJSONThenLogFormatCommandLineWins(t *testing.T) {
+	c, err := Parse([]string{"--log-json", "--log-format", "console"})
+	require.NoError(t, err)
+	assert.Equal(t, "console", c.LogFormat)
+	c, err = Parse([]string{"--log-format", "console", "--log-json"})
+	require.NoError(t, err)
+	assert.Equal(t, "json", c.LogFormat)
+}
