@@ -320,7 +320,7 @@ func (r *Registry) Get(id string) (*Worker, bool) {
 // Same reports whether two workers name the same engine endpoint: spellings
 // such as "h:1", "http://h:1" and "http://h:1/" are one worker.
 func (w *Worker) Same(o *Worker) bool {
-	return w.BaseURL == o.BaseURL && sameRank(w.DPRank, o.DPRank)
+	return w.BaseURL != "" && w.BaseURL == o.BaseURL && sameRank(w.DPRank, o.DPRank)
 }
 
 func sameRank(a, b *int) bool {
@@ -339,7 +339,7 @@ func (r *Registry) FindURL(u string) (*Worker, bool) {
 	}
 	base = strings.TrimSuffix(base, "/")
 	for _, w := range r.Snapshot() {
-		if w.URL == u || (w.BaseURL == base && sameRank(w.DPRank, rank)) {
+		if w.URL == u || (w.BaseURL != "" && w.BaseURL == base && sameRank(w.DPRank, rank)) {
 			return w, true
 		}
 	}
