@@ -211,20 +211,15 @@ func run(withEnvoy bool, cfg config.Config, file *config.File) error {
 	}
 	wlog := log.With().Str("component", "workers").Logger()
 	mgr := manager.New(ctx, reg, wlog, manager.FleetHooks(ctx, fcfg, client, fm, reg, wlog))
-	var startup []*workers.Worker
 	for _, p := range cfg.Prefills {
-		w, err := mgr.AddNow(workers.Spec{URL: p.URL, Type: workers.Prefill, BootstrapPort: p.BootstrapPort})
-		if err != nil {
+		if _, err := mgr.AddNow(workers.Spec{URL: p.URL, Type: workers.Prefill, BootstrapPort: p.BootstrapPort}); err != nil {
 			return fmt.Errorf("--prefill %s: %w", p.URL, err)
 		}
-		startup = append(startup, w)
 	}
 	for _, u := range cfg.Decodes {
-		w, err := mgr.AddNow(workers.Spec{URL: u, Type: workers.Decode})
-		if err != nil {
+		if _, err := mgr.AddNow(workers.Spec{URL: u, Type: workers.Decode}); err != nil {
 			return fmt.Errorf("--decode %s: %w", u, err)
 		}
-		startup = append(startup, w)
 	}
 
 	if file != nil {
@@ -402,7 +397,7 @@ func run(withEnvoy bool, cfg config.Config, file *config.File) error {
 
 	// Startup workers get a short grace to pass their first health checks, so
 	// the gateway is usable as soon as it says ready (SMG waits for them too).
-	startup = reg.Snapshot() // command line and config file workers
+	startup := reg.Snapshot() // command line and config file workers
 	wctx, wcancel := context.WithTimeout(ctx, 15*time.Second)
 	manager.WaitReady(wctx, startup)
 	wcancel()

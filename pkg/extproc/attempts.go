@@ -80,9 +80,3 @@ func (t *attemptTable) sweep(now time.Time) {
 		}
 	}
 }
-
-func (t *attemptTable) size() int {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	return len(t.m)
-}

@@ -389,7 +389,7 @@ func (x *exchange) onPrefillFailedEarly() error {
 }
 
 func (x *exchange) prefillError() *apierr.Error {
-	st, err, body := x.prefill.result()
+	st, body, err := x.prefill.result()
 	if err != nil {
 		x.log.Warn().Err(err).Str("prefill", x.pair.Prefill.URL).Msg("prefill transport error")
 		return pd.TransportError(err)

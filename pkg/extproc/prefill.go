@@ -131,15 +131,15 @@ func (l *prefillLeg) setHead(status int, err error, errBody []byte) {
 }
 
 // result reads the head; call only after head is closed.
-func (l *prefillLeg) result() (status int, err error, errBody []byte) {
+func (l *prefillLeg) result() (status int, errBody []byte, err error) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	return l.status, l.err, l.errBody
+	return l.status, l.errBody, l.err
 }
 
 // failed reports whether the head is an error (transport or non-2xx).
 func (l *prefillLeg) failed() bool {
-	s, err, _ := l.result()
+	s, _, err := l.result()
 	return err != nil || s < 200 || s > 299
 }
 

@@ -152,7 +152,7 @@ func handoffKind(plan *pd.VLLMPlan, prefillBody []byte, kvFailed bool) string {
 
 // seqPrefillError maps a concurrent-WRITE prefill failure (vLLM's codes).
 func (x *exchange) seqPrefillError() *apierr.Error {
-	st, err, body := x.prefill.result()
+	st, body, err := x.prefill.result()
 	if err != nil {
 		return pd.PrefillRequestError(err)
 	}

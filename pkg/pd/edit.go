@@ -125,7 +125,7 @@ func editObject(b []byte, set []KV, remove []string, trusted bool) ([]byte, erro
 		return nil, fmt.Errorf("pd: edit JSON object: %w", err)
 	}
 	var foundBuf [16]bool
-	found := foundBuf[:0]
+	var found []bool
 	if len(set) > len(foundBuf) {
 		found = make([]bool, len(set))
 	} else {

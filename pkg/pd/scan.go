@@ -475,8 +475,6 @@ type arrIter struct {
 	err     error
 }
 
-func newArrIter(b []byte, open int) arrIter { return arrIter{b: b, i: open + 1} }
-
 // trustedArrIter walks an array inside already-validated JSON.
 func trustedArrIter(b []byte, open int) arrIter {
 	return arrIter{b: b, i: open + 1, trusted: true}

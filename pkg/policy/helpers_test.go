@@ -99,11 +99,3 @@ func build(t testing.TB, name string, o Options, d Deps) Policy {
 	require.NoError(t, err)
 	return p
 }
-
-func names(ws []*workers.Worker, idx ...int) []string {
-	out := make([]string, len(idx))
-	for i, x := range idx {
-		out[i] = ws[x].ID
-	}
-	return out
-}

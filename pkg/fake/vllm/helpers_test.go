@@ -16,7 +16,6 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	"github.com/smg-project/smg-extproc/pkg/fake/common"
 	"github.com/smg-project/smg-extproc/pkg/fake/vllm"
 )
 
@@ -278,16 +277,6 @@ func hasEvent(s *vllm.Server, outcome string) bool {
 		}
 	}
 	return false
-}
-
-func eventsWith(s *vllm.Server, outcome string) []common.Event {
-	var out []common.Event
-	for _, e := range s.Events() {
-		if e.Outcome == outcome {
-			out = append(out, e)
-		}
-	}
-	return out
 }
 
 // concurrently runs fns at once and waits for all.
