@@ -8,6 +8,8 @@ VENV_ENVOY = $(abspath $(firstword $(wildcard $(VENV)/lib/python3*/site-packages
 # Envoy the tests and `make run` use: $ENVOY_BIN, else PATH, else the project venv.
 ENVOY_BIN ?= $(or $(shell command -v envoy 2>/dev/null),$(VENV_ENVOY))
 export ENVOY_BIN
+# Resolved when a recipe runs, after `make envoy` may have created the venv.
+ENVOY_NOW = $$( [ -n "$(ENVOY_BIN)" ] && echo "$(ENVOY_BIN)" || ls $(CURDIR)/$(VENV)/lib/python3*/site-packages/envoy/_bin/envoy )
 
 .PHONY: all build envoy run test unit integration bench vet fmt clean
 
@@ -29,7 +31,7 @@ envoy:
 
 # Fake SGLang prefill + decode and the gateway on :30000. Ctrl-C stops all.
 run: build envoy
-	@ENVOY_BIN="$$( [ -n "$(ENVOY_BIN)" ] && echo "$(ENVOY_BIN)" || ls $(CURDIR)/$(VENV)/lib/python3*/site-packages/envoy/_bin/envoy )" ./scripts/run-local.sh
+	@ENVOY_BIN="$(ENVOY_NOW)" ./scripts/run-local.sh
 
 vet:
 	$(GO) vet ./...
@@ -39,18 +41,18 @@ unit:
 	$(GO) test -count=1 $$($(GO) list ./... | grep -v /test/)
 
 integration: build envoy
-	ENVOY_BIN="$$( [ -n "$(ENVOY_BIN)" ] && echo "$(ENVOY_BIN)" || ls $(CURDIR)/$(VENV)/lib/python3*/site-packages/envoy/_bin/envoy )" \
+	ENVOY_BIN="$(ENVOY_NOW)" \
 		$(GO) test -count=1 -timeout 15m ./test/integration/...
 
 # Unit tests first, then the end-to-end tests on their own: they run real
 # Envoys and fakes, and sharing the 2 CPUs with other packages makes them slow.
 test: vet build envoy
 	$(GO) test -count=1 -timeout 10m $$($(GO) list ./... | grep -v /test/integration)
-	ENVOY_BIN="$$( [ -n "$(ENVOY_BIN)" ] && echo "$(ENVOY_BIN)" || ls $(CURDIR)/$(VENV)/lib/python3*/site-packages/envoy/_bin/envoy )" \
+	ENVOY_BIN="$(ENVOY_NOW)" \
 		$(GO) test -count=1 -timeout 15m ./test/integration/...
 
 bench: build envoy
-	ENVOY_BIN="$$( [ -n "$(ENVOY_BIN)" ] && echo "$(ENVOY_BIN)" || ls $(CURDIR)/$(VENV)/lib/python3*/site-packages/envoy/_bin/envoy )" \
+	ENVOY_BIN="$(ENVOY_NOW)" \
 		$(GO) run ./test/bench $(BENCH_ARGS)
 
 fmt:

@@ -17,6 +17,7 @@ import (
 	"google.golang.org/protobuf/types/known/structpb"
 
 	"github.com/smg-project/smg-extproc/pkg/apierr"
+	"github.com/smg-project/smg-extproc/pkg/metrics"
 	"github.com/smg-project/smg-extproc/pkg/pairing"
 	"github.com/smg-project/smg-extproc/pkg/pd"
 	"github.com/smg-project/smg-extproc/pkg/policy"
@@ -332,12 +333,20 @@ func (x *exchange) onRequestBody(b *extprocv3.HttpBody) error {
 	return x.releaseDecode(dBody)
 }
 
+// nsValue is one metadata namespace holding a single string key.
+func nsValue(k, v string) *structpb.Value {
+	return structpb.NewStructValue(&structpb.Struct{Fields: map[string]*structpb.Value{k: structpb.NewStringValue(v)}})
+}
+
 // releaseDecode answers the request-body phase: Envoy sends dBody to the
 // chosen decode (named in envoy.lb metadata) on the upstream route.
 func (x *exchange) releaseDecode(dBody []byte) error {
 	d := x.s.d
 	pair := x.pair
-	mdv := map[string]any{xds.MetadataNamespace: map[string]any{xds.MetadataKey: pair.Decode.Addr}}
+	// Built directly: structpb.NewStruct would walk two map[string]any per request.
+	md := &structpb.Struct{Fields: map[string]*structpb.Value{
+		xds.MetadataNamespace: nsValue(xds.MetadataKey, pair.Decode.Addr),
+	}}
 	if !d.Retry.Disabled {
 		if x.attempt == nil {
 			x.attemptKey = newAttemptKey()
@@ -349,11 +358,7 @@ func (x *exchange) releaseDecode(dBody []byte) error {
 		x.attempt.decode = pair.Decode
 		x.attempt.expires = time.Now().Add(2*d.RequestTimeout + time.Minute)
 		x.attempt.mu.Unlock()
-		mdv[MetadataNamespace] = map[string]any{mdAttemptKey: x.attemptKey}
-	}
-	md, err := structpb.NewStruct(mdv)
-	if err != nil {
-		return x.reject(apierr.Wrap(err, 500, apierr.CodeInternal, "metadata encoding failed"))
+		md.Fields[MetadataNamespace] = nsValue(mdAttemptKey, x.attemptKey)
 	}
 	set := []*corev3.HeaderValueOption{
 		hv(":path", x.route.UpstreamPath),
@@ -674,7 +679,7 @@ func (x *exchange) countError(status int) {
 	if model == "" {
 		model = "unknown"
 	}
-	x.s.d.Metrics.RouterErrors.WithLabelValues("http", "pd", "http", model, x.route.Endpoint, metricsErrorType(status)).Inc()
+	x.s.d.Metrics.RouterErrors.WithLabelValues("http", "pd", "http", model, x.route.Endpoint, metrics.ErrorType(status)).Inc()
 }
 
 func (x *exchange) commonHeaders(contentType, code string) *extprocv3.HeaderMutation {

@@ -11,13 +11,10 @@ import (
 	"net/http"
 
 	"github.com/smg-project/smg-extproc/pkg/apierr"
-	"github.com/smg-project/smg-extproc/pkg/metrics"
 	"github.com/smg-project/smg-extproc/pkg/workers"
 )
 
 type workersT = workers.Worker
-
-func metricsErrorType(status int) string { return metrics.ErrorType(status) }
 
 // asAPIError keeps an *apierr.Error or wraps anything else.
 func asAPIError(err error, status int, code string) *apierr.Error {
