@@ -125,7 +125,7 @@ func startGateway(t testing.TB, o gwOpts) *Gateway {
 		if err == nil {
 			return g
 		}
-		if try == 2 || !strings.Contains(err.Error(), "address already in use") {
+		if try == 2 || !strings.Contains(strings.ToLower(err.Error()), "address already in use") {
 			t.Fatal(err)
 		}
 	}
